@@ -1,0 +1,282 @@
+"""Flow-GRPO (arXiv 2505.05470): online RL for flow-matching models. The deterministic ODE sampler is
+replaced by an SDE with the same marginals, so every denoising step is a Gaussian policy with a tractable
+log-prob; GRPO then trains on whole trajectories with per-step PPO-clipped ratios, group-relative
+advantages and a KL penalty to the pre-trained model.
+
+This is the baseline the other trainers are copies of; it uses common.sde_step for the step math.
+
+Simplifications / readings (vs the paper and its official code):
+  1. Each rank owns whole groups (all G samples of its prompts): the advantage's group mean needs no
+     gather. The std is the group's own (`--no-global-std`) or that of all rewards of the iteration,
+     gathered across ranks (`--global-std`, the official default).
+  2. The KL is the exact KL between the two step Gaussians (paper eq. 14), element-averaged like the
+     log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides by
+     2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
+  3. The update shuffles whole rollout micro-batches, not single samples: a training micro-batch then
+     holds exactly the samples it was generated with, so the first update is bitwise on-policy (ratio 1).
+  4. Samples with zero advantage are kept (the SD3 scripts drop them); their loss is zero anyway.
+  5. `--updates-per-rollout` optimizer steps per iteration (official: 2, via gradient accumulation).
+
+Run:
+  python flow_grpo.py                                   # toy model, CPU, a few minutes
+  python flow_grpo.py --model sd3 --reward pickscore    # one GPU
+  torchrun --nproc_per_node=8 flow_grpo.py --model flux --reward pickscore
+  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3
+
+Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
+rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import common
+from common import field
+
+
+# ---- 0. Config ----
+@dataclass
+class Args:
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    seed: int = field(0, "random seed (each rank adds its rank)")
+    iterations: int | None = field(None, "training iterations (rollout + update)")
+    output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
+    resume: str | None = field(None, "run folder or checkpoint folder to continue from")
+    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
+    wandb: bool = field(False, "also log to Weights & Biases")
+    threads: int = field(2, "CPU threads (CPU runs only)")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
+    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
+    group_size: int | None = field(None, "samples per prompt (G)")
+    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
+    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
+    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
+    lr: float | None = field(None, "AdamW learning rate")
+    weight_decay: float = field(1e-4, "AdamW weight decay")
+    grad_clip: float = field(1.0, "gradient-norm clip")
+    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float | None = field(None, "LoRA alpha")
+    updates_per_rollout: int = field(2, "optimizer steps per iteration (the rollout is split into this many minibatches)")
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon")
+    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
+    beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy")
+    global_std: bool = field(True, "normalise advantages by the std of all rewards of the iteration (else the group's)")
+    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+
+
+# Per-model defaults: the paper's configs for sd3 / flux (PAPERS §2.3), a calibrated CPU run for toy.
+MODEL_DEFAULTS = {
+    "toy": dict(reward="toy", iterations=50, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
+                group_size=8, micro_batch=32, sample_steps=10, noise_level=0.7, lr=1e-4, lora_rank=0,
+                lora_alpha=0, beta=0.3, ema=False, gradient_checkpointing=False),
+    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                      group_size=2, micro_batch=2, sample_steps=3, noise_level=0.9, lr=3e-4, lora_rank=4,
+                      lora_alpha=8, beta=0.0, ema=False, gradient_checkpointing=False, resolution=32,
+                      guidance_scale=3.5),
+    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                     group_size=2, micro_batch=2, sample_steps=3, noise_level=0.7, lr=3e-4, lora_rank=4,
+                     lora_alpha=8, beta=0.001, ema=False, gradient_checkpointing=False, resolution=32,
+                     guidance_scale=4.5),
+    "sd3": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=40,
+                prompts_per_step=48, group_size=24, micro_batch=8, sample_steps=10, noise_level=0.7, lr=3e-4,
+                lora_rank=32, lora_alpha=64, beta=0.001, ema=True, gradient_checkpointing=True, resolution=512,
+                guidance_scale=4.5),
+    "flux": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=28,
+                 prompts_per_step=48, group_size=24, micro_batch=4, sample_steps=6, noise_level=0.9, lr=3e-4,
+                 lora_rank=64, lora_alpha=128, beta=0.0, ema=True, gradient_checkpointing=True, resolution=512,
+                 guidance_scale=3.5),
+}
+
+
+# ---- 1. Method functions ----
+# (none: Flow-GRPO's step math is common.sde_step; the loop below is the method)
+
+
+def main(args: Args) -> dict:
+    # ---- 2. Setup ----
+    rt = common.setup_runtime(args.seed, args.threads)
+    W = rt.world_size
+    if args.prompts_per_step % W:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
+    N = B * G                                                # samples per rank per iteration
+    M = args.micro_batch
+    if N % M:
+        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank (prompts-per-step/ranks x group-size)")
+    if (N // M) % args.updates_per_rollout:
+        raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
+                         f"per rank; change it or --micro-batch")
+    T = args.sample_steps
+    T_train = int(T * args.timestep_fraction)                # Flow-GRPO trains the first int(0.99 T) steps
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} "
+                  f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+
+    reward_fn = common.build_reward(args.reward, rt.device)
+    train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    transformer = adapter.transformer
+    lora = args.lora_rank > 0
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
+    ref = None
+    if args.beta > 0 and not lora:  # full fine-tuning: the reference policy is a frozen copy
+        ref = common.frozen_copy(transformer)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
+    ema = common.EMA(params) if args.ema else None
+    run_dir = common.make_run_dir(args.output_dir, "flow_grpo", args.model, args.resume)
+    start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
+    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
+    t_cap = float(sigmas[1])
+    t0 = time.time() - elapsed                               # time_s continues across --resume
+
+    def ref_mean(x, t, s, cond):
+        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
+        with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
+            v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
+        return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
+
+    def run_eval(it):
+        with ema.swapped_in() if ema else contextlib.nullcontext():
+            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
+        if rt.is_main:
+            common.save_image_grid(imgs[:64], run_dir / f"eval_{it:06d}.png")
+        return res
+
+    metrics = {}
+    for it in range(start, args.iterations + 1):
+        metrics = {"iteration": it}
+        if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
+            metrics.update(run_eval(it))
+        if it == args.iterations:  # the last line carries the final evaluation only
+            metrics["time_s"] = time.time() - t0
+            logger.log(metrics)
+            break
+
+        # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad ----
+        tic = time.time()
+        gen = common.make_generator(args.seed, rt.rank, it)
+        batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
+        prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B] for _ in range(G)]  # (N,) prompt-major
+        cond = common.cond_repeat(adapter.encode([r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]), G)
+        latents, log_probs = [], []                          # (N, T+1, ...) and (N, T)
+        transformer.eval()
+        with torch.no_grad():
+            for i in range(0, N, M):
+                c = common.cond_select(cond, slice(i, i + M))
+                z = adapter.noise(M, gen)
+                zs, lps = [z], []
+                for k in range(T):
+                    v = adapter.velocity(net, z, sigmas[k], c)
+                    z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap, generator=gen)
+                    zs.append(z), lps.append(lp)
+                latents.append(torch.stack(zs, 1)), log_probs.append(torch.stack(lps, 1))
+        latents, log_probs = torch.cat(latents), torch.cat(log_probs)
+        t_rollout = time.time() - tic
+
+        # ---- 3b. Rewards -> group-relative advantages (Flow-GRPO eq. 4) ----
+        tic = time.time()
+        with torch.no_grad():
+            images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
+            rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
+        rewards = rewards.to(rt.device).float()
+        grouped = rewards.view(B, G)
+        mean = grouped.mean(1, keepdim=True)
+        if args.global_std:
+            std = common.all_gather_cat(rewards).std()
+        else:
+            std = grouped.std(1, keepdim=True)
+        advantages = ((grouped - mean) / (std + 1e-4)).view(N).clamp(-args.adv_clip, args.adv_clip)
+        t_reward = time.time() - tic
+
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO eq. 8) ----
+        tic = time.time()
+        transformer.train()
+        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (reading 3)
+        per_update = (N // M) // args.updates_per_rollout
+        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
+        for u in range(args.updates_per_rollout):
+            chunk = order[u * per_update:(u + 1) * per_update].tolist()
+            for j, mb in enumerate(chunk):
+                idx = slice(mb * M, (mb + 1) * M)
+                c, A = common.cond_select(cond, idx), advantages[idx]
+                for k in range(T_train):
+                    last = j == len(chunk) - 1 and k == T_train - 1
+                    z, z_next = latents[idx, k], latents[idx, k + 1]
+                    with common.no_sync(net, not last):
+                        v = adapter.velocity(net, z, sigmas[k], c)
+                        _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
+                                                           next_x=z_next)
+                        ratio = torch.exp(lp - log_probs[idx, k])
+                        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                        kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                            if args.beta > 0 else torch.zeros_like(pg)
+                        loss = (pg + args.beta * kl).mean()
+                        (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
+                    stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
+                    stats["kl"].append(kl.mean().item())
+                    stats["ratio_dev"].append((ratio - 1).abs().max().item())
+                    stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                    stats["approx_kl"].append(0.5 * ((lp - log_probs[idx, k]) ** 2).mean().item())
+            if u == 0:  # before the first optimizer step the update is exactly on-policy: rho must be 1
+                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema:
+                ema.step(it * args.updates_per_rollout + u + 1)
+        t_update = time.time() - tic
+
+        # ---- 3d. Log ----
+        zero_std = (grouped.std(1) < 1e-6).float().mean()
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update({
+            "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
+            "reward_std": rewards.std().item(),
+            "zero_std_frac": common.all_reduce_mean(zero_std).item(),
+            "ratio_dev_max": max(stats["ratio_dev"]),
+            "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
+            "time_s": time.time() - t0,
+        })
+        logger.log(metrics)
+
+        # ---- 3e. Checkpoint ----
+        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
+            if rt.is_main:
+                common.save_checkpoint(run_dir, it + 1, adapter, params, lora, optimizer, ema, time.time() - t0)
+            common.barrier()
+    if rt.is_main:
+        common.save_checkpoint(run_dir, args.iterations, adapter, params, lora, optimizer, ema, time.time() - t0)
+    common.barrier()
+    common.cleanup_runtime()
+    return metrics
+
+
+# ---- 4. Entry point ----
+if __name__ == "__main__":
+    main(common.cli(Args, model_defaults=MODEL_DEFAULTS))

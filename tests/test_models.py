@@ -1,0 +1,54 @@
+"""The adapters against diffusers' own pipelines on the tiny random-weight models, and the real loaders."""
+import pytest
+import torch
+
+import common
+
+RT = common.Runtime(0, 1, 0, torch.device("cpu"), torch.float32)
+PROMPTS = ["a photo of a cat", "a red car on a street"]
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_ode_rollout_reproduces_the_diffusers_pipeline(name):
+    """Our sampler at noise level 0 gives the pipeline's own latents from the same noise and prompts."""
+    guidance = 3.5 if name == "tiny-flux" else 4.5
+    adapter = common.load_model(name, RT, resolution=32, guidance_scale=guidance)
+    steps = 5
+    x = adapter.noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    sigmas = adapter.sigmas(steps)
+    z = x
+    for k in range(steps):  # the SDE sampler with a = 0, i.e. the evaluation path of every trainer
+        v = adapter.velocity(adapter.transformer, z, sigmas[k], adapter.encode(PROMPTS))
+        z = common.sde_step(z, v, sigmas[k], sigmas[k + 1], 0.0, float(sigmas[1]))[0]
+    ours = z
+    kwargs = dict(max_sequence_length=adapter.max_sequence_length)
+    ref = adapter.pipe(prompt=PROMPTS, height=32, width=32, num_inference_steps=steps, guidance_scale=guidance,
+                       latents=x.clone(), output_type="latent", **kwargs).images
+    assert ref.shape == ours.shape
+    assert (ours - ref).abs().max().item() <= 1e-5
+    assert (x - ref).abs().max().item() > 0.1  # the comparison is not vacuous
+    images = adapter.decode(ours)
+    assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
+
+
+def test_toy_adapter_shapes_and_grid():
+    adapter = common.load_model("toy", RT)
+    assert torch.equal(adapter.sigmas(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    cond = adapter.encode(["a red circle", "a blue cross"])
+    x = adapter.noise(2, torch.Generator().manual_seed(0))
+    v = adapter.velocity(adapter.transformer, x, 0.5, cond)
+    assert v.shape == x.shape == (2, 64, 12)
+    assert adapter.decode(x).shape == (2, 3, 16, 16)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_real_loader_reads_a_saved_pipeline(name, tmp_path):
+    """--model flux/sd3 load with from_pretrained; the same call reads a tiny pipeline saved to a folder."""
+    adapter = common.load_model(name, RT, resolution=32, guidance_scale=4.0)
+    adapter.pipe.save_pretrained(tmp_path / "pipe")
+    loaded = common.load_model(name.removeprefix("tiny-"), RT, path=str(tmp_path / "pipe"), resolution=32,
+                               guidance_scale=4.0)
+    x = adapter.noise(1, torch.Generator().manual_seed(0))
+    cond_a, cond_b = adapter.encode(PROMPTS[:1]), loaded.encode(PROMPTS[:1])
+    torch.testing.assert_close(loaded.velocity(loaded.transformer, x, 0.7, cond_b),
+                               adapter.velocity(adapter.transformer, x, 0.7, cond_a), rtol=1e-5, atol=1e-5)
