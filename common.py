@@ -144,6 +144,13 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def rank_param_diff(params: list[torch.Tensor]) -> float:
+    """Largest difference across ranks of per-tensor sums and sums of squares (0.0: replicas identical)."""
+    fp = torch.stack([t for p in params for t in (p.detach().double().sum(), p.detach().double().square().sum())])
+    allfp = all_gather_cat(fp.cpu() if not dist.is_initialized() or dist.get_backend() == "gloo" else fp).view(-1, len(fp))
+    return (allfp.max(0).values - allfp.min(0).values).max().item()
+
+
 def no_sync(net: torch.nn.Module, skip: bool):
     """DDP's no_sync() while accumulating gradients (skip=True), so only the last backward all-reduces."""
     return net.no_sync() if skip and hasattr(net, "no_sync") else contextlib.nullcontext()

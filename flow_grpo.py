@@ -173,7 +173,9 @@ def main(args: Args) -> dict:
         metrics = {"iteration": it}
         if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
             metrics.update(run_eval(it))
-        if it == args.iterations:  # the last line carries the final evaluation only
+        if it == args.iterations:  # the last line: final evaluation and, under DDP, a check that replicas agree
+            if rt.distributed:
+                metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
             break
@@ -243,8 +245,9 @@ def main(args: Args) -> dict:
                     stats["ratio_dev"].append((ratio - 1).abs().max().item())
                     stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
                     stats["approx_kl"].append(0.5 * ((lp - log_probs[idx, k]) ** 2).mean().item())
-            if u == 0:  # before the first optimizer step the update is exactly on-policy: rho must be 1
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta) = 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
+                metrics["kl_first_update"] = max(stats["kl"])
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

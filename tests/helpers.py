@@ -4,6 +4,8 @@ from pathlib import Path
 
 import common
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # Small sizes for fast in-process runs of any trainer on any model.
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
          "--eval-images", "8", "--eval-steps", "4", "--eval-every", "1", "--threads", "1"]

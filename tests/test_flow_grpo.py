@@ -1,0 +1,120 @@
+"""flow_grpo.py end to end: every model path, on-policy exactness, DDP, resume, LoRA export, bad input."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import flow_grpo
+from helpers import ROOT, SMALL, read_metrics, run
+
+
+@pytest.mark.parametrize("model", ["toy", "tiny-flux", "tiny-sd3"])
+def test_two_iterations_run_with_finite_loss(model, tmp_path):
+    run(flow_grpo, ["--model", model, "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL])
+    lines = read_metrics(tmp_path / "r")
+    assert [m["iteration"] for m in lines] == [0, 1, 2]
+    for m in lines[:2]:
+        assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
+        assert m["t_rollout"] > 0 and m["t_update"] > 0
+    assert all("eval_reward" in m for m in lines)
+    assert ("eval_accuracy" in lines[0]) == (model == "toy")
+    assert (tmp_path / "r" / "eval_000000.png").is_file()
+    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
+
+
+@pytest.mark.parametrize("model,extra", [("toy", []), ("tiny-sd3", ["--beta", "0.01"]), ("tiny-flux", ["--beta", "0.01"])])
+def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
+    """Before the first optimizer step the recomputed log-probs equal the rollout's: ratio exactly 1, and
+    the KL of the policy to the reference (itself, before any update) exactly 0."""
+    run(flow_grpo, ["--model", model, "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
+                    *SMALL[:-4], *extra])
+    m = read_metrics(tmp_path / "r")[0]
+    assert m["ratio_dev_first_update"] == 0.0
+    assert m["kl_first_update"] == 0.0
+    assert m["ratio_dev_max"] > 0.0  # the second update is off-policy: the check can fail
+
+
+def test_resume_equals_straight_run(tmp_path):
+    """2 iterations + --resume to 4 gives the same metrics and weights as 4 straight iterations."""
+    base = ["--model", "tiny-flux", "--seed", "3", *SMALL]
+    run(flow_grpo, [*base, "--iterations", "4", "--output-dir", str(tmp_path / "straight")])
+    run(flow_grpo, [*base, "--iterations", "2", "--output-dir", str(tmp_path / "split")])
+    run(flow_grpo, [*base, "--iterations", "4", "--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split")])
+    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in ms]  # noqa: E731
+    a, b = drop(read_metrics(tmp_path / "straight")), drop(read_metrics(tmp_path / "split"))
+    assert a == b and len(a) == 5
+    sa = torch.load(tmp_path / "straight/checkpoints/iter_000004/training_state.pt", weights_only=False)
+    sb = torch.load(tmp_path / "split/checkpoints/iter_000004/training_state.pt", weights_only=False)
+    assert all(torch.equal(x, y) for x, y in zip(sa["params"], sb["params"]))
+
+
+def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path):
+    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--eval-every", "0", "--lr", "1e-2",
+                    "--output-dir", str(tmp_path / "r"), *SMALL[:-4]])
+    pipe = common.build_tiny_flux()
+    kw = dict(prompt=["a photo of a cat"], height=32, width=32, num_inference_steps=3, output_type="latent",
+              max_sequence_length=512, generator=torch.Generator().manual_seed(0))
+    before = pipe(**kw).images
+    pipe.load_lora_weights(str(tmp_path / "r" / "checkpoints" / "iter_000002"))
+    kw["generator"] = torch.Generator().manual_seed(0)
+    after = pipe(**kw).images
+    assert (after - before).abs().max() > 1e-4
+
+
+def test_torchrun_two_ranks_stay_identical(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+           str(ROOT / "flow_grpo.py"), "--model", "tiny-sd3", "--iterations", "2", "--prompts-per-step", "4",
+           "--output-dir", str(tmp_path / "r"), *SMALL[2:]]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "ranks 2 | prompts/rank B=2" in out.stdout
+    last = read_metrics(tmp_path / "r")[-1]
+    assert last["rank_param_diff"] == 0.0
+
+
+# ---- bad input: one clear message that names the fix ----
+def test_unknown_model(capsys):
+    with pytest.raises(SystemExit):
+        common.cli(flow_grpo.Args, ["--model", "sdxl"], flow_grpo.MODEL_DEFAULTS)
+    assert "unknown --model 'sdxl'; choose one of toy, tiny-flux" in capsys.readouterr().err
+
+
+def test_unknown_reward(tmp_path):
+    with pytest.raises(ValueError, match="unknown or repeated reward 'aesthetics'.*known rewards: toy, jpeg"):
+        run(flow_grpo, ["--model", "tiny-flux", "--reward", "aesthetics", "--output-dir", str(tmp_path / "r")])
+
+
+def test_sizes_that_do_not_divide(tmp_path):
+    with pytest.raises(ValueError, match="--micro-batch 3 must divide the 4 samples"):
+        run(flow_grpo, ["--model", "tiny-flux", "--micro-batch", "3", "--output-dir", str(tmp_path / "r")])
+    with pytest.raises(ValueError, match="--updates-per-rollout 3 must divide"):
+        run(flow_grpo, ["--model", "tiny-flux", "--updates-per-rollout", "3", "--output-dir", str(tmp_path / "r")])
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompt file 'nope.txt' does not exist: pass --prompts"):
+        run(flow_grpo, ["--model", "tiny-flux", "--prompts", "nope.txt", "--output-dir", str(tmp_path / "r")])
+
+
+def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(tmp_path):
+    r = tmp_path / "r"
+    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+    state = r / "checkpoints" / "iter_000001" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    before = (r / "metrics.jsonl").read_text()
+    with pytest.raises(RuntimeError, match="is unreadable.*resume from an earlier checkpoints/iter_"):
+        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--output-dir", str(r), "--resume", str(r), *SMALL])
+    assert (r / "metrics.jsonl").read_text() == before
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path):
+    r = tmp_path / "r"
+    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+    with pytest.raises(FileExistsError, match="already holds a run: pass --resume"):
+        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
