@@ -443,8 +443,8 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         root = Path(path) if path else ASSETS / "toy"
         if not (root / "transformer").is_dir():
             raise FileNotFoundError(f"toy weights not found in {root}: run `python common.py pretrain-toy --out {root}`")
-        return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device)
+        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
     family = name.removeprefix("tiny-")
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}.get(
@@ -455,7 +455,39 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         pipe = build_tiny_flux() if family == "flux" else build_tiny_sd3()
     else:
         pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype=rt.dtype)
-    return adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale)
+    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale))
+
+
+def instrument(adapter):
+    """Counts the work done through an adapter in `adapter.counts`: transformer evaluations (rows through the
+    forward pass; "fwd" without grad, i.e. sampling, and "fwd_grad" with grad, each followed by a backward;
+    CFG's two branches count as two rows) and VAE decodes. A closure, so a frozen copy of the transformer
+    (deepcopy keeps the same function) counts into the same place."""
+    import collections
+    counts = adapter.counts = collections.Counter()
+
+    def hook(module, args, kwargs, out):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
+
+    adapter.transformer.register_forward_hook(hook, with_kwargs=True)
+    decode = adapter.decode
+
+    def counted_decode(x):
+        counts["decode"] += x.shape[0]
+        return decode(x)
+
+    adapter.decode = counted_decode
+    return adapter
+
+
+def work_done(adapter, reward_fn, before: dict) -> dict:
+    """Per-iteration work since `before` (a snapshot of adapter.counts plus reward_fn.calls): transformer
+    evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad (nfe_fwd_bwd: each
+    also has a backward pass), VAE decodes and images scored."""
+    now = {**adapter.counts, "reward_calls": reward_fn.calls}
+    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls"}
+    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -954,9 +986,11 @@ class WeightedReward:
 
     def __init__(self, spec: str, device="cpu"):
         self.terms = [(name, w, REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
+        self.calls = 0  # images scored so far
 
     @torch.no_grad()
     def __call__(self, images, prompts):
+        self.calls += len(images)
         parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
         total = sum(w * parts[name] for name, w, _ in self.terms)
         return total, parts

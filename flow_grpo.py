@@ -182,6 +182,7 @@ def main(args: Args) -> dict:
 
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad ----
         tic = time.time()
+        work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
         gen = common.make_generator(args.seed, rt.rank, it)
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B] for _ in range(G)]  # (N,) prompt-major
@@ -264,6 +265,7 @@ def main(args: Args) -> dict:
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
+            **common.work_done(adapter, reward_fn, work_before),
             "time_s": time.time() - t0,
         })
         logger.log(metrics)
