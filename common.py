@@ -1096,7 +1096,8 @@ class Logger:
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "time_s"]
-        print(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics), flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["iteration"])
 
@@ -1249,7 +1250,7 @@ def pretrain_toy(argv=None):
     """Pre-trains the toy model with the rectified-flow loss on renders of the seen (colour, shape) pairs
     and saves it to assets/toy (`python common.py pretrain-toy --help`)."""
     p = argparse.ArgumentParser(prog="python common.py pretrain-toy", description=pretrain_toy.__doc__)
-    p.add_argument("--steps", type=int, default=1600, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine decay over them)")
     p.add_argument("--batch-size", type=int, default=64, help="images per step")
     p.add_argument("--lr", type=float, default=1.5e-3, help="AdamW peak learning rate (cosine decay, 100 warm-up)")
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (warmed up from 0.1)")

@@ -46,6 +46,7 @@ from common import field
 # ---- 0. Config ----
 @dataclass
 class Args:
+    # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
     reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
@@ -65,21 +66,23 @@ class Args:
     prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
     group_size: int | None = field(None, "samples per prompt (G)")
     micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
-    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
-    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
-    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
     lr: float | None = field(None, "AdamW learning rate")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
     lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
     lora_alpha: float | None = field(None, "LoRA alpha")
+    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    # <<< shared: args
+    # --- Flow-GRPO ---
+    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
+    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
     updates_per_rollout: int = field(2, "optimizer steps per iteration (the rollout is split into this many minibatches)")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy")
     global_std: bool = field(True, "normalise advantages by the std of all rewards of the iteration (else the group's)")
-    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
 
 
 # Per-model defaults: the paper's configs for sd3 / flux (PAPERS §2.3), a calibrated CPU run for toy.
@@ -129,20 +132,21 @@ def main(args: Args) -> dict:
     common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} "
                   f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
 
+    # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
-    ref = None
-    if args.beta > 0 and not lora:  # full fine-tuning: the reference policy is a frozen copy
-        ref = common.frozen_copy(transformer)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    # <<< shared: setup-model
+    ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
+    # >>> shared: setup-run
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    run_dir = common.make_run_dir(args.output_dir, "flow_grpo", args.model, args.resume)
+    run_dir = common.make_run_dir(args.output_dir, Path(__file__).stem, args.model, args.resume)
     start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
     if rt.is_main:
@@ -150,9 +154,10 @@ def main(args: Args) -> dict:
         (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
-    t_cap = float(sigmas[1])
     t0 = time.time() - elapsed                               # time_s continues across --resume
+    # <<< shared: setup-run
+    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
+    t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
 
     def ref_mean(x, t, s, cond):
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
@@ -160,6 +165,7 @@ def main(args: Args) -> dict:
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
 
+    # >>> shared: eval
     def run_eval(it):
         with ema.swapped_in() if ema else contextlib.nullcontext():
             res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
@@ -169,7 +175,7 @@ def main(args: Args) -> dict:
         return res
 
     metrics = {}
-    for it in range(start, args.iterations + 1):
+    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = {"iteration": it}
         if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
             metrics.update(run_eval(it))
@@ -179,6 +185,7 @@ def main(args: Args) -> dict:
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
             break
+        # <<< shared: eval
 
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad ----
         tic = time.time()
@@ -270,6 +277,7 @@ def main(args: Args) -> dict:
         })
         logger.log(metrics)
 
+        # >>> shared: checkpoint
         # ---- 3e. Checkpoint ----
         if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
             if rt.is_main:
@@ -280,6 +288,7 @@ def main(args: Args) -> dict:
     common.barrier()
     common.cleanup_runtime()
     return metrics
+    # <<< shared: checkpoint
 
 
 # ---- 4. Entry point ----
