@@ -106,19 +106,21 @@ def field(default, help: str, **kwargs):
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
     """Builds an argparse parser from a dataclass whose fields carry help strings. Fields whose default
     is None and that appear in `model_defaults[model]` take the per-model default unless given."""
-    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    doc = (sys.modules["__main__"].__doc__ or "").split("\n\n")[0]
+    parser = argparse.ArgumentParser(description=" ".join(doc.split()))
     for f in dataclasses.fields(args_cls):
         name = "--" + f.name.replace("_", "-")
+        typ = str(f.type).replace(" | None", "")
+        per_model = {m: d[f.name] for m, d in (model_defaults or {}).items() if f.name in d}
         help_ = f.metadata.get("help", "")
-        if model_defaults and any(f.name in d for d in model_defaults.values()):
-            help_ += " (default per model: " + ", ".join(
-                f"{m}={d[f.name]}" for m, d in model_defaults.items() if f.name in d) + ")"
-        if f.type in ("bool", bool):
+        if per_model:
+            help_ += " (default per model: " + ", ".join(f"{m}={v}" for m, v in per_model.items()) + ")"
+        elif f.default is not None:
+            help_ += f" (default: {f.default})"
+        if typ == "bool":
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type).replace(" | None", ""), str)
-            parser.add_argument(name, type=typ, default=f.default, help=help_)
+            parser.add_argument(name, type={"int": int, "float": float}.get(typ, str), default=f.default, help=help_)
     ns = parser.parse_args(argv)
     args = args_cls(**vars(ns))
     if model_defaults is not None:
