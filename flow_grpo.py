@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import common
@@ -88,8 +87,8 @@ class Args:
 # Per-model defaults: the paper's configs for sd3 / flux (PAPERS §2.3), a calibrated CPU run for toy.
 MODEL_DEFAULTS = {
     "toy": dict(reward="toy", iterations=50, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
-                group_size=8, micro_batch=32, sample_steps=10, noise_level=0.7, lr=1e-4, lora_rank=0,
-                lora_alpha=0, beta=0.3, ema=False, gradient_checkpointing=False),
+                group_size=8, micro_batch=32, sample_steps=10, noise_level=0.7, lr=3e-4, lora_rank=0,
+                lora_alpha=0, beta=0.03, ema=False, gradient_checkpointing=False),
     "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
                       group_size=2, micro_batch=2, sample_steps=3, noise_level=0.9, lr=3e-4, lora_rank=4,
                       lora_alpha=8, beta=0.0, ema=False, gradient_checkpointing=False, resolution=32,
