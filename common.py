@@ -83,8 +83,9 @@ def seed_everything(seed: int):
 def make_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded from integers (e.g. seed, rank, iteration): every random draw in a run is a
     pure function of these keys, so a resumed run repeats the same draws without saving RNG states."""
+    # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
     g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1, dtype=np.uint64)[0] >> 1))
+    g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
     return g
 
 

@@ -21,7 +21,7 @@ Run:
   python flow_grpo.py                                   # toy model, CPU, a few minutes
   python flow_grpo.py --model sd3 --reward pickscore    # one GPU
   torchrun --nproc_per_node=8 flow_grpo.py --model flux --reward pickscore
-  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3
+  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 --prompts-per-step 64
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps.

@@ -118,3 +118,14 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
     run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
     with pytest.raises(FileExistsError, match="already holds a run: pass --resume"):
         run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+
+
+def test_toy_held_out_reward_rises(tmp_path):
+    """Learning, not just running: a short Flow-GRPO run on the toy model raises the held-out reward and
+    strict accuracy (100 fixed-seed images: standard errors about 0.03 and 0.05) by several standard errors."""
+    run(flow_grpo, ["--iterations", "24", "--eval-every", "24", "--prompts-per-step", "8", "--group-size", "8",
+                    "--micro-batch", "16", "--sample-steps", "6", "--eval-images", "100", "--eval-steps", "10",
+                    "--lr", "5e-4", "--clip-range", "1e-3", "--threads", "2", "--output-dir", str(tmp_path / "r")])
+    first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
+    assert last["eval_reward"] - first["eval_reward"] > 0.1
+    assert last["eval_accuracy"] - first["eval_accuracy"] > 0.2

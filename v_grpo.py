@@ -1,0 +1,436 @@
+"""V-GRPO (arXiv 2604.23380): online RL for flow-matching models without an MDP. The whole generation is one
+action: rollouts use the plain deterministic ODE sampler, and the intractable log-likelihood log pi(o | c) of a
+final sample o is replaced by minus its conditional pre-training loss (a weighted ELBO), estimated on N_MC
+(time, noise) pairs. GRPO then trains with one importance ratio per sample. What makes this surrogate work
+where earlier ELBO surrogates (DDPO-IS, FPO) failed is variance reduction - the G samples of a prompt share
+their pairs, the times are stratified over the sampler's grid, the loss is an x-prediction MSE divided by its
+own stop-gradient L1 - plus step-size control: a small ratio clip, a KL to the behaviour policy theta_old, and
+a tanh soft-clip of the advantages for fully on-policy updates.
+
+Differences from flow_grpo.py:
+  1. Rollout: Euler ODE over adapter.sigmas(T) under theta_old (common.sample_ode); only the final latents
+     o_i are kept - no SDE, no per-step latents or log-probs, so noise_level and timestep_fraction are gone.
+  2. N_MC pairs (t_j, eps_j) per prompt, shared by its G samples (`--share-pairs group`; `batch` shares one
+     set over the whole iteration and all ranks, `sample` draws one per sample for ablations), the times
+     stratified over the grid: one uniform draw in each of N_MC contiguous chunks (`draw_pairs`).
+  3. Likelihood surrogate: L_i(theta) = (1/N_MC) sum_j mean_D (x_hat_ij - o_i)^2 / sg(mean_D |x_hat_ij - o_i|)
+     with x_hat_ij = x_ij - t_j v_theta(x_ij, t_j), x_ij = (1 - t_j) o_i + t_j eps_j; log pi(o_i) ~ -L_i.
+     L_i(theta_old) is computed once after the rollout, without grad, on the same pairs (N_MC forwards).
+  4. One ratio per sample, rho_i = exp(L_i(theta_old) - L_i(theta)) (the mean over pairs inside the exp),
+     instead of one per denoising step; the update costs N_MC forwards per sample instead of T.
+  5. The KL is to the behaviour policy theta_old, not the pre-trained model: the mean squared difference of
+     the x-predictions at the kept pairs. No reference network and no reference forwards.
+  6. Advantages: optional soft-clip A <- kappa tanh(A / kappa) (`--soft-clip kappa`) instead of the hard clamp.
+  7. The advantage std is the group's by default (`--no-global-std`): the paper's "group z-score", as in the
+     FastVideo/DanceGRPO code V-GRPO builds on; flow_grpo.py defaults to the global std.
+  8. Logged: NFE_old = rollout + old surrogate and NFE_theta per sample (the paper's accounting), the
+     surrogate's value and its coefficients of variation over the batch and within groups (the paper's
+     variance diagnostics), the time of the old surrogate.
+
+Simplifications / readings (where the paper or its summaries leave a choice):
+  1. Stratification grid: the rollout's own sigma grid without t = 0 (at t = 0 x_hat = o exactly and the
+     self-normalised loss is 0/0): the T points t_0 = 1 ... t_{T-1}, split into N_MC contiguous chunks of
+     near-equal size (torch.tensor_split), one point drawn uniformly in each. Whether the paper's "sampler
+     grid" is the rollout grid or a finer one is not stated; `--pair-grid-steps K` stratifies over
+     adapter.sigmas(K) instead.
+  2. Each evaluation of L divides by its own detached L1, so rho = 1 exactly at theta = theta_old; the L1 is
+     floored at 1e-12 so a pair with x_hat == o gives 0, not NaN.
+  3. `--updates-per-rollout N_grad` splits the rollout into N_grad minibatches, one gradient step each, as
+     flow_grpo.py does: every sample is trained once per iteration, so NFE_theta = N_MC per sample whatever
+     N_grad (the paper's "4 per gradient step"). With N_grad = 1 the update is fully on-policy: rho = 1,
+     clip and KL are inert and the gradient is mean_i A_i grad L_i(theta) - hence the soft-clip.
+  4. The KL averages the squared x-prediction difference over latent elements and pairs, then samples.
+  5. Soft-clip replaces the +-5 clamp (they are alternatives); with --soft-clip 0 the clamp applies.
+  6. Settings the paper does not give for FLUX (lr, G, prompts per step, LoRA, N_grad, soft-clip): we take
+     its SD3.5 LoRA recipe (r 32, alpha 64, lr 3e-4), MixGRPO's protocol (720 px, group 12, 16 ODE steps,
+     300 iterations), N_grad 2 with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run).
+     SD3 follows stage 1 of its SD3.5-M curriculum (no CFG, 40 ODE steps, 48 x 24, N_grad 1, kappa 3, no
+     clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed); the other stages are separate runs.
+  7. All N_MC pairs of a micro-batch go through one forward of micro_batch x N_MC rows (the ratio couples
+     them, so their activations are alive together for one backward anyway).
+  8. The velocity used by the surrogate is the adapter's, so with `--guidance-scale > 1` on SD3 it is the
+     CFG velocity; V-GRPO trains SD3.5 without CFG (default guidance 1).
+  9. Toy (calibrated on 2 CPU cores, one seed per setting): 16 prompts x 8, 10 ODE steps, N_MC 4, full
+     fine-tuning at lr 1e-4 (ahead of 5e-5 and 3e-4 after 8 iterations), N_grad 2 with clip 1e-2 (clip_frac
+     ~0.4 -> 0; ahead of on-policy N_grad 1 at the same cost), kappa 3, no KL, group std. Held-out reward /
+     strict accuracy 0.69 / 0.38 -> 0.85 / 0.70 after 10 iterations, 0.90 / 0.80 after 20.
+
+Run:
+  python v_grpo.py                                      # toy model, CPU, a few minutes
+  python v_grpo.py --model sd3 --reward pickscore       # one GPU
+  torchrun --nproc_per_node=8 v_grpo.py --model flux --reward pickscore
+  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 v_grpo.py --model sd3 \\
+      --prompts-per-step 64                             # 32 ranks: the prompts must divide evenly
+
+Notation: o_i = samples[i]; t_j, eps_j = taus[i, j], eps[i, j]; N_MC = mc_pairs (J in code);
+x_hat_ij = x_hat[i, j]; l_ij = pair_losses; L_i(theta) = surrogate[i]; L_i(theta_old) = surrogate_old[i];
+rho = ratio; A = advantages; eps_clip = clip_range; beta = KL weight; kappa (the paper's eta) = soft_clip;
+N_grad = updates_per_rollout; G = group_size; B = prompts per rank; T = sample_steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import common
+from common import field
+
+
+# ---- 0. Config ----
+@dataclass
+class Args:
+    # >>> shared: args
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    seed: int = field(0, "random seed (each rank adds its rank)")
+    iterations: int | None = field(None, "training iterations (rollout + update)")
+    output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
+    resume: str | None = field(None, "run folder or checkpoint folder to continue from")
+    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
+    wandb: bool = field(False, "also log to Weights & Biases")
+    threads: int = field(2, "CPU threads (CPU runs only)")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
+    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
+    group_size: int | None = field(None, "samples per prompt (G)")
+    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
+    lr: float | None = field(None, "AdamW learning rate")
+    weight_decay: float = field(1e-4, "AdamW weight decay")
+    grad_clip: float = field(1.0, "gradient-norm clip")
+    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float | None = field(None, "LoRA alpha")
+    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    # <<< shared: args
+    # --- V-GRPO ---
+    sample_steps: int | None = field(None, "ODE steps T of a training rollout")
+    mc_pairs: int | None = field(None, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
+    share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt), "
+                                      "batch (all samples of the iteration, on every rank), sample (nobody: ablation)")
+    stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
+    pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(K) minus t = 0; default: sample-steps")
+    self_normalize: bool = field(True, "divide each pair's x-prediction MSE by its stop-gradient L1")
+    updates_per_rollout: int | None = field(None, "gradient steps N_grad per iteration, one per rollout minibatch")
+    clip_range: float | None = field(None, "PPO ratio clip epsilon (inert with one update per rollout)")
+    soft_clip: float | None = field(None, "soft-clip kappa: A <- kappa tanh(A / kappa); 0 = clamp to +-adv-clip")
+    adv_clip: float = field(5.0, "with --soft-clip 0, advantages are clamped to [-adv_clip, adv_clip]")
+    beta: float | None = field(None, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old")
+    global_std: bool = field(False, "normalise advantages by the std of all rewards of the iteration (else the group's)")
+
+
+# Per-model defaults: the paper's settings for sd3 / flux where it gives them (reading 6 for the rest), a calibrated
+# CPU run for toy (reading 9).
+MODEL_DEFAULTS = {
+    "toy": dict(reward="toy", iterations=20, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
+                group_size=8, micro_batch=32, sample_steps=10, mc_pairs=4, lr=1e-4, lora_rank=0, lora_alpha=0,
+                updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0, ema=False,
+                gradient_checkpointing=False),
+    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                      group_size=2, micro_batch=2, sample_steps=4, mc_pairs=2, lr=3e-4, lora_rank=4, lora_alpha=8,
+                      updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0, ema=False,
+                      gradient_checkpointing=False, resolution=32, guidance_scale=3.5),
+    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                     group_size=2, micro_batch=2, sample_steps=4, mc_pairs=2, lr=3e-4, lora_rank=4, lora_alpha=8,
+                     updates_per_rollout=2, clip_range=1e-2, soft_clip=0.0, beta=0.3, ema=False,
+                     gradient_checkpointing=False, resolution=32, guidance_scale=1.0),
+    "sd3": dict(reward="pickscore", iterations=150, eval_every=30, eval_images=256, eval_steps=40,
+                prompts_per_step=48, group_size=24, micro_batch=8, sample_steps=40, mc_pairs=4, lr=3e-4,
+                lora_rank=32, lora_alpha=64, updates_per_rollout=1, clip_range=1e-2, soft_clip=3.0, beta=0.0,
+                ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=1.0),
+    "flux": dict(reward="pickscore", iterations=300, eval_every=30, eval_images=256, eval_steps=28,
+                 prompts_per_step=32, group_size=12, micro_batch=4, sample_steps=16, mc_pairs=4, lr=3e-4,
+                 lora_rank=32, lora_alpha=64, updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0,
+                 ema=True, gradient_checkpointing=True, resolution=720, guidance_scale=3.5),
+}
+
+
+# ---- 1. Method functions ----
+PAIR_SHARING = ("group", "batch", "sample")
+BATCH_PAIRS_KEY = 10**9  # generator key of --share-pairs batch: no rank or iteration number reaches it
+
+
+def stratified_times(grid: torch.Tensor, n_mc: int, n_sets: int, generator: torch.Generator,
+                     stratified: bool = True) -> torch.Tensor:
+    """[V-GRPO, stratified timestep sampling] (n_sets, n_mc) times from the sampler's grid without t = 0 (reading 1):
+    its points are split into n_mc contiguous chunks and one point is drawn uniformly inside each, so every set
+    covers high, middle and low noise. stratified=False draws n_mc points uniformly over the whole grid."""
+    points = grid[grid > 0]                                  # (K,) t_0 = 1 > ... > t_{K-1} > 0
+    if n_mc > len(points):
+        raise ValueError(f"--mc-pairs {n_mc} needs at least {n_mc} grid points, the grid has {len(points)}: "
+                         f"raise --pair-grid-steps (or --sample-steps) or lower --mc-pairs")
+    if not stratified:
+        return points[torch.randint(len(points), (n_sets, n_mc), generator=generator)]
+    chunks = torch.arange(len(points)).tensor_split(n_mc)
+    idx = torch.stack([c[torch.randint(len(c), (n_sets,), generator=generator)] for c in chunks], 1)  # (n_sets, n_mc)
+    return points[idx]
+
+
+def draw_pairs(grid: torch.Tensor, n_mc: int, B: int, G: int, noise_fn, share: str, stratified: bool,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[V-GRPO, group-shared timestep-noise pairs] N_MC pairs (t_j, eps_j) for each of the B*G samples
+    (prompt-major). With share="group" the G samples of a prompt get the same pairs, so the differences of
+    their surrogates come from the samples o_i, not from Monte-Carlo noise; "batch" gives every sample one
+    set, "sample" gives each its own. noise_fn(n, generator) draws n initial-noise-shaped latents.
+    Returns taus (B*G, n_mc) and eps (B*G, n_mc, ...)."""
+    n_sets = {"group": B, "batch": 1, "sample": B * G}[share]
+    taus = stratified_times(grid, n_mc, n_sets, generator, stratified)       # (n_sets, J)
+    eps = noise_fn(n_sets * n_mc, generator)                                 # (n_sets * J, ...)
+    eps = eps.view(n_sets, n_mc, *eps.shape[1:])                             # (n_sets, J, ...)
+    rep = B * G // n_sets
+    return taus.repeat_interleave(rep, 0).to(eps.device), eps.repeat_interleave(rep, 0)
+
+
+def x_predictions(adapter, net, o: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor, cond: dict) -> torch.Tensor:
+    """[V-GRPO, ELBO surrogate] x_ij = (1 - t_j) o_i + t_j eps_j (the forward process applied to the sample) and
+    the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i); all M*J pairs in one forward (reading 7).
+    o (M, ...), taus (M, J), eps (M, J, ...) -> x_hat (M, J, ...) in float32."""
+    M, J = taus.shape
+    t = taus.reshape(M * J)                                              # (M*J,)
+    tb = t.view(-1, *([1] * (o.dim() - 1)))
+    o_rep = o.unsqueeze(1).expand_as(eps).reshape(M * J, *o.shape[1:])   # (M*J, ...) row m*J + j = o_m
+    x = (1 - tb) * o_rep + tb * eps.reshape(M * J, *o.shape[1:])
+    v = adapter.velocity(net, x, t, common.cond_repeat(cond, J))
+    return common.x0_prediction(x, v, t).view(M, J, *o.shape[1:])
+
+
+def pair_losses(x_hat: torch.Tensor, o: torch.Tensor, self_normalize: bool = True) -> torch.Tensor:
+    """[V-GRPO, adaptive weighting] l_ij = mean_D (x_hat_ij - o_i)^2 / sg(mean_D |x_hat_ij - o_i|).
+    x - o = t (v* - v), so this is the v-loss weighted by t^2, self-normalised: the stop-gradient L1 makes
+    every pair's gradient of comparable size across samples and times (reading 2). (M, J)."""
+    d = (x_hat - o.unsqueeze(1)).flatten(2)                              # (M, J, D)
+    mse = d.pow(2).mean(2)
+    if not self_normalize:
+        return mse
+    return mse / d.abs().mean(2).detach().clamp_min(1e-12)
+
+
+def clipped_objective(surrogate: torch.Tensor, surrogate_old: torch.Tensor, advantages: torch.Tensor,
+                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[V-GRPO, objective] rho_i = exp(L_i(theta_old) - L_i(theta)): log pi ~ -L, one ratio per sample with the
+    mean over pairs inside the exp. Returns the per-sample loss max(-A rho, -A clip(rho, 1 - e, 1 + e)) (the
+    negated PPO-clip objective, to minimise) and rho. (M,) each."""
+    ratio = torch.exp(surrogate_old - surrogate)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+    return pg, ratio
+
+
+def kl_to_old(x_hat: torch.Tensor, x_hat_old: torch.Tensor) -> torch.Tensor:
+    """[V-GRPO, KL penalty] D_i = (1/N_MC) sum_j mean_D (x_hat_theta,ij - x_hat_theta_old,ij)^2: the KL to the
+    behaviour policy at the kept pairs (reading 4). (M,)."""
+    return (x_hat - x_hat_old).pow(2).flatten(2).mean(2).mean(1)
+
+
+def soft_clip(advantages: torch.Tensor, kappa: float) -> torch.Tensor:
+    """[V-GRPO, advantage soft-clipping] A <- kappa tanh(A / kappa): linear near 0, saturating at +-kappa. On-policy
+    the gradient is mean_i A_i grad L_i and raising a loss has no floor, so large |A| must not dominate."""
+    return kappa * torch.tanh(advantages / kappa)
+
+
+def main(args: Args) -> dict:
+    # ---- 2. Setup ----
+    rt = common.setup_runtime(args.seed, args.threads)
+    W = rt.world_size
+    if args.prompts_per_step % W:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
+    N = B * G                                                # samples per rank per iteration
+    M = args.micro_batch
+    if N % M:
+        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank (prompts-per-step/ranks x group-size)")
+    if (N // M) % args.updates_per_rollout:
+        raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
+                         f"per rank; change it or --micro-batch")
+    T, J = args.sample_steps, args.mc_pairs
+    K = args.pair_grid_steps or T                            # adapter.sigmas(K) has K points above t = 0
+    if args.share_pairs not in PAIR_SHARING:
+        raise ValueError(f"--share-pairs {args.share_pairs!r}: choose one of {', '.join(PAIR_SHARING)}")
+    if not 1 <= J <= K:
+        raise ValueError(f"--mc-pairs {J} must be between 1 and the {K} grid points above t = 0: change it, "
+                         f"--pair-grid-steps or --sample-steps")
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} "
+                  f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | ODE steps T={T} | "
+                  f"pairs N_MC={J} over {K} grid points, shared per {args.share_pairs}")
+
+    # >>> shared: setup-model
+    reward_fn = common.build_reward(args.reward, rt.device)
+    train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    transformer = adapter.transformer
+    lora = args.lora_rank > 0
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    # <<< shared: setup-model
+    # (no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout)
+    # >>> shared: setup-run
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
+    ema = common.EMA(params) if args.ema else None
+    run_dir = common.make_run_dir(args.output_dir, Path(__file__).stem, args.model, args.resume)
+    start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
+    t0 = time.time() - elapsed                               # time_s continues across --resume
+    # <<< shared: setup-run
+    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0, the rollout grid
+    pair_grid = adapter.sigmas(K)                            # (K+1,) the grid the pair times are drawn from
+
+    # >>> shared: eval
+    def run_eval(it):
+        with ema.swapped_in() if ema else contextlib.nullcontext():
+            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
+        if rt.is_main:
+            common.save_image_grid(imgs[:64], run_dir / f"eval_{it:06d}.png")
+        return res
+
+    metrics = {}
+    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = {"iteration": it}
+        if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
+            metrics.update(run_eval(it))
+        if it == args.iterations:  # the last line: final evaluation and, under DDP, a check that replicas agree
+            if rt.distributed:
+                metrics["rank_param_diff"] = common.rank_param_diff(params)
+            metrics["time_s"] = time.time() - t0
+            logger.log(metrics)
+            break
+        # <<< shared: eval
+
+        # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO: one action] ----
+        tic = time.time()
+        work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
+        gen = common.make_generator(args.seed, rt.rank, it)
+        batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
+        prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B] for _ in range(G)]  # (N,) prompt-major
+        cond = common.cond_repeat(adapter.encode([r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]), G)
+        transformer.eval()
+        samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + M)),
+                                               adapter.noise(M, gen), sigmas) for i in range(0, N, M)])  # (N, ...) o_i
+        t_rollout = time.time() - tic
+
+        # [V-GRPO, group-shared stratified pairs; surrogate] pairs drawn per prompt (or batch); then L(theta_old)
+        # once, without grad, on those pairs - N_MC forwards per sample - keeping x_hat_old for the KL.
+        tic = time.time()
+        pair_gen = common.make_generator(args.seed, it, BATCH_PAIRS_KEY) if args.share_pairs == "batch" else gen
+        taus, eps = draw_pairs(pair_grid, J, B, G, adapter.noise, args.share_pairs, args.stratified, pair_gen)
+        surrogate_old, x_hat_old = [], []                    # (N,) and (N, J, ...)
+        with torch.no_grad():
+            for i in range(0, N, M):
+                idx = slice(i, i + M)
+                x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], common.cond_select(cond, idx))
+                surrogate_old.append(pair_losses(x_hat, samples[idx], args.self_normalize).mean(1))
+                if args.beta > 0:
+                    x_hat_old.append(x_hat)
+        surrogate_old = torch.cat(surrogate_old)
+        x_hat_old = torch.cat(x_hat_old) if x_hat_old else None
+        t_surrogate_old = time.time() - tic
+
+        # ---- 3b. Rewards -> group-relative advantages (GRPO), optionally soft-clipped [V-GRPO, soft-clipping] ----
+        tic = time.time()
+        with torch.no_grad():
+            images = torch.cat([adapter.decode(samples[i:i + M]) for i in range(0, N, M)])
+            rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
+        rewards = rewards.to(rt.device).float()
+        grouped = rewards.view(B, G)
+        mean = grouped.mean(1, keepdim=True)
+        if args.global_std:
+            std = common.all_gather_cat(rewards).std()
+        else:
+            std = grouped.std(1, keepdim=True)
+        advantages = ((grouped - mean) / (std + 1e-4)).view(N)
+        if args.soft_clip > 0:
+            advantages = soft_clip(advantages, args.soft_clip)
+        else:
+            advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
+        t_reward = time.time() - tic
+
+        # ---- 3c. Policy update: a clipped ratio per sample, KL to theta_old [V-GRPO, objective] ----
+        tic = time.time()
+        transformer.train()
+        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
+        per_update = (N // M) // args.updates_per_rollout
+        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "surrogate",
+                                 "grad_norm")}
+        for u in range(args.updates_per_rollout):
+            chunk = order[u * per_update:(u + 1) * per_update].tolist()
+            for j, mb in enumerate(chunk):
+                idx = slice(mb * M, (mb + 1) * M)
+                c, A = common.cond_select(cond, idx), advantages[idx]
+                with common.no_sync(net, j < len(chunk) - 1):
+                    x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], c)     # (M, J, ...)
+                    surrogate = pair_losses(x_hat, samples[idx], args.self_normalize).mean(1)     # (M,) L(theta)
+                    pg, ratio = clipped_objective(surrogate, surrogate_old[idx], A, args.clip_range)
+                    kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
+                    loss = (pg + args.beta * kl).mean()
+                    (loss / len(chunk)).backward()
+                stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
+                stats["kl"].append(kl.mean().item()), stats["surrogate"].append(surrogate.mean().item())
+                stats["ratio_dev"].append((ratio - 1).abs().max().item())
+                stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                stats["approx_kl"].append(0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean().item())
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta_old) = 0
+                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
+                metrics["kl_first_update"] = max(stats["kl"])
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema:
+                ema.step(it * args.updates_per_rollout + u + 1)
+        t_update = time.time() - tic
+
+        # ---- 3d. Log ----
+        zero_std = (grouped.std(1) < 1e-6).float().mean()
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        work = common.work_done(adapter, reward_fn, work_before)
+        L_old = surrogate_old.view(B, G)
+        metrics.update({
+            "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
+            "reward_std": rewards.std().item(),
+            "zero_std_frac": common.all_reduce_mean(zero_std).item(),
+            "ratio_dev_max": max(stats["ratio_dev"]),
+            "adv_abs_max": advantages.abs().max().item(),
+            # the paper's variance diagnostics: spread of L(theta_old) over the batch and within groups
+            "surrogate_old": surrogate_old.mean().item(),
+            "surrogate_cv": (surrogate_old.std() / surrogate_old.mean()).item() if N > 1 else 0.0,
+            "surrogate_group_cv": (L_old.std(1) / L_old.mean(1)).mean().item() if G > 1 else 0.0,
+            "t_rollout": t_rollout, "t_surrogate_old": t_surrogate_old, "t_reward": t_reward, "t_update": t_update,
+            **work,
+            # the paper's NFE accounting per sample: NFE_old = T + N_MC, NFE_theta = N_MC (CFG rows count twice)
+            "nfe_old_per_sample": work["nfe_fwd"] / N, "nfe_theta_per_sample": work["nfe_fwd_bwd"] / N,
+            "time_s": time.time() - t0,
+        })
+        logger.log(metrics)
+
+        # >>> shared: checkpoint
+        # ---- 3e. Checkpoint ----
+        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
+            if rt.is_main:
+                common.save_checkpoint(run_dir, it + 1, adapter, params, lora, optimizer, ema, time.time() - t0)
+            common.barrier()
+    if rt.is_main:
+        common.save_checkpoint(run_dir, args.iterations, adapter, params, lora, optimizer, ema, time.time() - t0)
+    common.barrier()
+    common.cleanup_runtime()
+    return metrics
+    # <<< shared: checkpoint
+
+
+# ---- 4. Entry point ----
+if __name__ == "__main__":
+    main(common.cli(Args, model_defaults=MODEL_DEFAULTS))
