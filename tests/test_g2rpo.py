@@ -193,16 +193,15 @@ def test_resume_equals_straight_run(tmp_path):
 
 
 def test_toy_held_out_reward_rises(tmp_path):
-    """A CI-sized G2RPO run on the toy world (4 prompts x 8 branches, T = 6, 30 iterations; ~45 s of one core):
-    held-out reward and strict accuracy over 100 fixed-seed images. Measured rises: +0.14 / +0.27 (seed 0) and
-    +0.145 / +0.29 (seed 1); the standard error of a 100-image mean is ~0.03 (reward) and ~0.05 (accuracy), so
-    the thresholds are 3-4 standard errors and the measured rises 5."""
-    run(g2rpo, ["--model", "toy", "--iterations", "30", "--eval-every", "30", "--eval-images", "100",
-                "--prompts-per-step", "4", "--sample-steps", "6", "--threads", "1",
+    """A CI-sized G2RPO run on the toy world (8 prompts x 8 branches, T = 6, 30 iterations; ~70 s of one core):
+    held-out reward and strict accuracy over 200 fixed-seed images (standard errors ~0.02 and ~0.035).
+    Measured rises: +0.13 / +0.26; the thresholds are about 4 standard errors."""
+    run(g2rpo, ["--model", "toy", "--iterations", "30", "--eval-every", "30", "--eval-images", "200",
+                "--prompts-per-step", "8", "--sample-steps", "6", "--threads", "1",
                 "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
-    assert last["eval_reward"] - first["eval_reward"] > 0.1
-    assert last["eval_accuracy"] - first["eval_accuracy"] > 0.2
+    assert last["eval_reward"] - first["eval_reward"] > 0.08
+    assert last["eval_accuracy"] - first["eval_accuracy"] > 0.15
 
 
 # ---- bad input: one clear message that names the fix ----
