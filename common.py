@@ -5,10 +5,11 @@ Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in
 velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
 
 Sections:
-  1. Runtime and CLI           5. Model adapters (toy, tiny-flux, tiny-sd3, flux, sd3)
+  1. Runtime and CLI           5. Prompts
   2. Flow math                 6. Rewards
-  3. The toy world             7. Logging, images, checkpoints
-  4. Prompts                   8. Evaluation and `python common.py pretrain-toy`
+  3. The toy world             7. Training utilities: LoRA, EMA, logging, image grids, checkpoints
+  4. Model adapters            8. Evaluation and `python common.py pretrain-toy`
+     (toy, tiny-flux, tiny-sd3, flux, sd3)
 """
 from __future__ import annotations
 
@@ -539,7 +540,7 @@ class ToyAdapter(FluxFamilyAdapter):
     """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking."""
 
     lora_targets = FLUX_LORA_TARGETS
-    num_train_sigmas_shift = 1.0
+    shift = 1.0  # uniform grid: at 16x16 pixels there is no resolution to shift for
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
         self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
@@ -564,7 +565,7 @@ class ToyAdapter(FluxFamilyAdapter):
         return torch.randn((n, (TOY_SIZE // 2) ** 2, 12), generator=generator).to(self.device)
 
     def sigmas(self, num_steps):
-        return uniform_sigmas(num_steps, self.num_train_sigmas_shift)
+        return uniform_sigmas(num_steps, self.shift)
 
     @torch.no_grad()
     def decode(self, x):
@@ -1032,10 +1033,6 @@ def lora_disabled(transformer: torch.nn.Module):
         transformer.enable_adapters()
 
 
-def unwrap(net: torch.nn.Module) -> torch.nn.Module:
-    return net.module if hasattr(net, "module") else net
-
-
 class EMA:
     """Exponential moving average of the trainable parameters, Flow-GRPO's schedule: decay
     min((1 + n) / (10 + n), max_decay) at the n-th update, updated every `every` optimizer steps."""
@@ -1299,7 +1296,6 @@ def pretrain_toy(argv=None):
         halves = rng.uniform(*TOY_HALF_SIZE, size=a.batch_size)
         imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
         x0 = toy_pack(imgs)
-        cond = {"prompt_embeds": None, "pooled": None}
         ids, mask = adapter.tokenizer([toy_prompt(*seen[i]) for i in idx])
         out = text_encoder(input_ids=ids, attention_mask=mask)
         cond = {"prompt_embeds": out.last_hidden_state, "pooled": out.pooler_output}
