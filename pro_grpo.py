@@ -1,0 +1,431 @@
+"""Pro-GRPO (arXiv 2512.15347, "Expand and Prune", CVPR 2026): Flow-GRPO with a cheaper, more diverse group.
+Within a GRPO group many rewards cluster near the group mean; their advantages are near zero, so those
+trajectories cost full sampling and backprop and teach almost nothing ("reward clustering"). Optimal
+Variance Filtering (OVF) keeps the size-k subset of a group whose rewards have the largest variance.
+Pro-GRPO applies it during sampling: it starts an expanded group of G_max SDE trajectories per prompt
+and, at a few checkpoint steps, previews each live trajectory's image with a one-step x0-prediction,
+scores the preview with the training reward and keeps only the OVF subset of the next funnel size
+(e.g. 48 -> 24 -> 12). Pruned trajectories stop at once; the survivors finish, get their true rewards,
+advantages are normalised over the survivors, and Flow-GRPO's loss trains on their steps.
+
+Differences from flow_grpo.py:
+  1. Expand: `--group-size` is the expanded group G_max; `--funnel` lists the alive trajectories per
+     prompt after each of the `--checkpoints`; the last funnel size K is the trained group.
+  2. The rollout runs step-major over all alive trajectories (micro-batches inside a step), so a whole
+     group reaches a checkpoint together. The velocity at z_k is computed once and serves both the
+     preview and the SDE step k: a checkpoint costs no transformer call.
+  3. Prune: at each checkpoint, preview x0_hat = z_k - t_k v, decode, score with the training reward,
+     keep the OVF subset per prompt (`ovf_select`); pruned trajectories get no further calls.
+  4. Advantages are normalised over each prompt's survivors (`survivor_advantages`); no --global-std.
+  5. The conditioning is encoded once per prompt and indexed per trajectory (no G-fold repeat).
+  6. Logs the work of the funnel: preview rewards and their within-group std before/after each OVF,
+     the trained group's std, sampling evaluations, and a FLOPs proxy against Flow-GRPO's group.
+     reward_mean / reward_std are the survivors' (OVF-selected, so not the policy's mean reward; the
+     first checkpoint's ovf<k>_preview_mean covers the whole expanded group).
+  The loss, the KL, the update loop and everything shared are flow_grpo.py's.
+
+Simplifications / readings (the paper releases no code and leaves these open):
+  1. OVF solver. The paper states the objective, not a solver. For scalars some optimal subset is the
+     j smallest plus the k - j largest rewards (the variance is convex in each member, so a member can
+     always be swapped for the smallest or largest excluded value without loss). We sort, scan
+     j = 0..k with prefix sums (exact, O(n log n)) and break ties towards the smallest j, i.e. towards
+     keeping high rewards. Variance is the population one, (1/k) sum (R - mean)^2, as in the paper.
+  2. Checkpoint k = "k steps done". The preview is the one-step projection x0_hat = z_k - t_k v_old(z_k)
+     made with the velocity the sampler needs for step k anyway (theta_old, no grad, with CFG as in
+     sampling). A pruned trajectory's velocity at the checkpoint is spent, so 48 -> 24 -> 12 at
+     {5, 7} with T = 10 costs 48*6 + 24*2 + 12*2 = 360 sampling evaluations per prompt (a count that
+     skips the checkpoint evaluation of the pruned ones gives 324).
+  3. Previews are scored with the training reward; the final advantages use the survivors' true
+     rewards. The advantage is Flow-GRPO's per-group form over the K survivors: mean and (unbiased)
+     std over them, + 1e-4, clamped to +-adv_clip. No global std: the paper normalises within the group.
+  4. Survivors train on all of the baseline's trained steps (the first int(0.99 T)), including those
+     before the checkpoints, where their rollout velocities came from micro-batches that also held
+     trajectories pruned later (on CPU the recomputed log-probs still match bit for bit, tested; kernels
+     that depend on batch composition would put float noise in rho at those steps). Pruned trajectories
+     never enter the loss.
+  5. Static OVF (the paper's validation experiment) is a checkpoint at T: the "preview" is the finished
+     sample and its proxy reward the true reward (e.g. `--group-size 24 --funnel 12 --checkpoints 10`).
+     An empty funnel is plain Flow-GRPO with within-group advantages.
+  6. Initial noises are independent per trajectory (no shared latent per group).
+  7. FLOPs proxy (`flops_vs_flow_grpo`): transformer evaluations per sample, a forward = 1, forward +
+     backward = 3, the reference forward (beta > 0) = 1; ours over Flow-GRPO's with `--baseline-group`
+     trajectories per prompt on the same prompts and steps. Preview decodes and reward calls are logged
+     (decodes, reward_calls) but not in the ratio; the paper's FLOPs table adds them.
+  8. FLUX (T = 6): checkpoints {3, 4}, the paper's {5, 7} of T = 10 at the same fractions of T.
+  9. Equation numbers of the Pro-GRPO paper are not cited (its text was not at hand); tags name its
+     definitions: [Pro-GRPO OVF], [Pro-GRPO preview], [Pro-GRPO advantage].
+
+Run:
+  python pro_grpo.py                                   # toy model, CPU, a few minutes
+  python pro_grpo.py --group-size 24 --funnel 12 --checkpoints 10           # toy, Static OVF
+  python pro_grpo.py --model sd3 --reward pickscore --prompts-per-step 8   # one GPU, 48 -> 24 -> 12 at 5, 7
+  python pro_grpo.py --model sd3 --reward pickscore --group-size 24 --funnel 16,12   # Pro-GRPO-Flash
+  torchrun --nproc_per_node=8 pro_grpo.py --model flux --reward pickscore
+  torchrun --nnodes=3 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 pro_grpo.py --model sd3
+
+Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
+rho = ratio; A = advantages; beta = KL weight; B = prompts per rank; T = sample_steps;
+G_max = group_size; (K_1, ..., K) = funnel, K = funnel[-1]; k_i = checkpoints; x0_hat = preview;
+R_hat = proxy rewards; S = alive (trajectory ids, prompt = id // G_max); G_base = baseline_group.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import common
+from common import field
+
+
+# ---- 0. Config ----
+@dataclass
+class Args:
+    # >>> shared: args
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    seed: int = field(0, "random seed (each rank adds its rank)")
+    iterations: int | None = field(None, "training iterations (rollout + update)")
+    output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
+    resume: str | None = field(None, "run folder or checkpoint folder to continue from")
+    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
+    wandb: bool = field(False, "also log to Weights & Biases")
+    threads: int = field(2, "CPU threads (CPU runs only)")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
+    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
+    group_size: int | None = field(None, "samples per prompt (G)")
+    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
+    lr: float | None = field(None, "AdamW learning rate")
+    weight_decay: float = field(1e-4, "AdamW weight decay")
+    grad_clip: float = field(1.0, "gradient-norm clip")
+    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float | None = field(None, "LoRA alpha")
+    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    # <<< shared: args
+    # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
+    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
+    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
+    updates_per_rollout: int = field(2, "optimizer steps per iteration (the rollout is split into this many minibatches)")
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon")
+    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
+    beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy")
+    funnel: str | None = field(None, "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
+                                     "from --group-size; the last is the trained group K; '' = no pruning")
+    checkpoints: str | None = field(None, "steps done at each checkpoint, e.g. '5,7' (one per funnel size); "
+                                          "a checkpoint at T = --sample-steps filters finished images (Static OVF)")
+    baseline_group: int | None = field(None, "Flow-GRPO group size the FLOPs proxy compares against")
+
+
+# Per-model defaults: the paper's Standard funnel on Flow-GRPO's configs for sd3 / flux (PAPERS §2.3, §3.4),
+# a calibrated CPU run for toy: Flow-GRPO's toy group of 8 expanded as the paper expands 24 (16 -> 8 -> 4);
+# lr 1e-4, since with 4 trained samples per prompt 3e-4 mostly random-walks the full fine-tuning.
+MODEL_DEFAULTS = {
+    "toy": dict(reward="toy", iterations=30, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=8,
+                group_size=16, funnel="8,4", checkpoints="5,7", baseline_group=8, micro_batch=16, sample_steps=10,
+                noise_level=0.7, lr=1e-4, lora_rank=0, lora_alpha=0, beta=0.03, ema=False,
+                gradient_checkpointing=False),
+    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                      group_size=4, funnel="3,2", checkpoints="1,2", baseline_group=2, micro_batch=2,
+                      sample_steps=3, noise_level=0.9, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.0, ema=False,
+                      gradient_checkpointing=False, resolution=32, guidance_scale=3.5),
+    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
+                     group_size=4, funnel="3,2", checkpoints="1,2", baseline_group=2, micro_batch=2,
+                     sample_steps=3, noise_level=0.7, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.001, ema=False,
+                     gradient_checkpointing=False, resolution=32, guidance_scale=4.5),
+    "sd3": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=40,
+                prompts_per_step=48, group_size=48, funnel="24,12", checkpoints="5,7", baseline_group=24,
+                micro_batch=6, sample_steps=10, noise_level=0.7, lr=3e-4, lora_rank=32, lora_alpha=64, beta=0.001,
+                ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=4.5),
+    "flux": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=28,
+                 prompts_per_step=48, group_size=48, funnel="24,12", checkpoints="3,4", baseline_group=24,
+                 micro_batch=4, sample_steps=6, noise_level=0.9, lr=3e-4, lora_rank=64, lora_alpha=128, beta=0.0,
+                 ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=3.5),
+}
+
+
+# ---- 1. Method functions ----
+def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """[Pro-GRPO OVF] K* = argmax_{|K| = k} Var_K(R), Var_K = (1/k) sum_{i in K} (R_i - mean_K R)^2.
+    Some optimal K is the j smallest plus the k - j largest rewards (a member's variance term is convex
+    in its value, so swapping it for the smallest or largest excluded value never lowers Var_K): sort,
+    then score every j = 0..k in O(1) from prefix sums of R and R^2. Ties go to the smallest j.
+    rewards (n,) -> indices (k,) of the kept members, ascending (so a group's order is preserved)."""
+    n = len(rewards)
+    if not 1 <= k <= n:
+        raise ValueError(f"OVF keeps k of n rewards: need 1 <= k={k} <= n={n}")
+    r = rewards.detach().double().cpu()
+    order = torch.argsort(r, stable=True)
+    r = r[order]                                                   # (n,) ascending
+    zero = torch.zeros(1, dtype=torch.float64)
+    P, Q = torch.cat([zero, r.cumsum(0)]), torch.cat([zero, (r * r).cumsum(0)])  # (n+1,) prefix sums
+    j = torch.arange(k + 1)                                        # j smallest + (k - j) largest
+    s1 = P[j] + P[n] - P[n - k + j]
+    s2 = Q[j] + Q[n] - Q[n - k + j]
+    score = k * s2 - s1 ** 2                                       # (k+1,) k^2 Var(S_j): no division, so
+    best = int(torch.argmax(score))                                # grid rewards tie exactly; first max = smallest j
+    return torch.cat([order[:best], order[n - k + best:]]).sort().values
+
+
+def survivor_advantages(rewards: torch.Tensor, adv_clip: float) -> torch.Tensor:
+    """[Pro-GRPO advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
+    (Flow-GRPO eq. 4's group form, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
+    mean = rewards.mean(1, keepdim=True)
+    std = rewards.std(1, keepdim=True)
+    return ((rewards - mean) / (std + 1e-4)).flatten().clamp(-adv_clip, adv_clip)
+
+
+def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> tuple[list[int], list[int]]:
+    """'24,12' and '5,7' -> ([24, 12], [5, 7]) after checking the schedule; a clear error names the flag."""
+    def ints(text, flag):
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. {flag} 24,12") from None
+    sizes, steps_at = ints(funnel, "--funnel"), ints(checkpoints, "--checkpoints")
+    if len(sizes) != len(steps_at):
+        raise ValueError(f"--funnel {funnel!r} has {len(sizes)} sizes but --checkpoints {checkpoints!r} has "
+                         f"{len(steps_at)} steps: give one checkpoint per funnel size")
+    chain = [group_size, *sizes]
+    if any(b >= a for a, b in zip(chain, chain[1:])) or chain[-1] < 2:
+        raise ValueError(f"--funnel {funnel!r} must decrease strictly from --group-size {group_size} and end at "
+                         f">= 2 (the advantage needs a std)")
+    if any(b <= a for a, b in zip(steps_at, steps_at[1:])) or any(not 0 <= k <= steps for k in steps_at):
+        raise ValueError(f"--checkpoints {checkpoints!r} must be increasing steps in [0, {steps}] (--sample-steps; "
+                         f"{steps} = filter the finished images)")
+    return sizes, steps_at
+
+
+def main(args: Args) -> dict:
+    # ---- 2. Setup ----
+    rt = common.setup_runtime(args.seed, args.threads)
+    W = rt.world_size
+    if args.prompts_per_step % W:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    T = args.sample_steps
+    sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, T)  # [Pro-GRPO funnel]
+    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, expanded group G_max
+    K = sizes[-1] if sizes else G                            # trained survivors per prompt
+    N = B * K                                                # trained samples per rank per iteration
+    M = args.micro_batch
+    if N % M:
+        raise ValueError(f"--micro-batch {M} must divide the {N} trained samples per rank "
+                         f"(prompts-per-step/ranks x last --funnel size)")
+    if (N // M) % args.updates_per_rollout:
+        raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
+                         f"per rank; change it or --micro-batch")
+    T_train = int(T * args.timestep_fraction)                # Flow-GRPO trains the first int(0.99 T) steps
+    funnel_text = " -> ".join(map(str, [G, *sizes])) + (f" at steps {steps_at}" if sizes else "")
+    common.print0(f"ranks {W} | prompts/rank B={B} | funnel {funnel_text} | trained K={K}, samples/rank N={N} | "
+                  f"micro-batch {M} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+
+    # >>> shared: setup-model
+    reward_fn = common.build_reward(args.reward, rt.device)
+    train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    transformer = adapter.transformer
+    lora = args.lora_rank > 0
+    params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    # <<< shared: setup-model
+    ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
+    # >>> shared: setup-run
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
+    ema = common.EMA(params) if args.ema else None
+    run_dir = common.make_run_dir(args.output_dir, Path(__file__).stem, args.model, args.resume)
+    start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
+    t0 = time.time() - elapsed                               # time_s continues across --resume
+    # <<< shared: setup-run
+    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
+    t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
+    # FLOPs proxy per trajectory-step: forward 1, forward + backward 3, reference forward 1 (reading 7)
+    train_cost = 3 + (args.beta > 0)
+    baseline_cost = B * args.baseline_group * (T + train_cost * T_train)  # Flow-GRPO, same prompts and steps
+
+    def ref_mean(x, t, s, cond):
+        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
+        with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
+            v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
+        return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
+
+    def group_std(r, n):
+        """Mean over prompts of the within-group std of rewards r (B*n,), population form as OVF's Var_K."""
+        return r.view(B, n).std(1, correction=0).mean().item()
+
+    # >>> shared: eval
+    def run_eval(it):
+        with ema.swapped_in() if ema else contextlib.nullcontext():
+            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
+        if rt.is_main:
+            common.save_image_grid(imgs[:64], run_dir / f"eval_{it:06d}.png")
+        return res
+
+    metrics = {}
+    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = {"iteration": it}
+        if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
+            metrics.update(run_eval(it))
+        if it == args.iterations:  # the last line: final evaluation and, under DDP, a check that replicas agree
+            if rt.distributed:
+                metrics["rank_param_diff"] = common.rank_param_diff(params)
+            metrics["time_s"] = time.time() - t0
+            logger.log(metrics)
+            break
+        # <<< shared: eval
+
+        # ---- 3a. Rollout: expand, SDE-sample step-major, preview + OVF-prune at checkpoints, no grad ----
+        tic = time.time()
+        work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
+        gen = common.make_generator(args.seed, rt.rank, it)
+        batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
+        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]
+        cond = adapter.encode(texts)                          # (B, ...) one row per prompt, indexed by alive // G
+
+        def score(x, ids):
+            """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: (n,) on CPU."""
+            images = torch.cat([adapter.decode(x[i:i + M]) for i in range(0, len(x), M)])
+            owners = [texts[j] for j in (ids // G).tolist()]
+            rewards = [reward_fn(images[i:i + M], owners[i:i + M])[0] for i in range(0, len(x), M)]
+            return torch.cat(rewards).float().cpu()
+
+        diag, t_preview, nfe_sample = {}, 0.0, 0
+        transformer.eval()
+        with torch.no_grad():
+            alive = torch.arange(B * G)                       # (B*G,) [Pro-GRPO expand] S: ids, prompt-major
+            z = adapter.noise(B * G, gen)                     # (B*G, ...) z_0, independent per trajectory
+            zs, lps = [z], []                                 # per step: (|S|, ...) and (|S|,), rows = alive
+            for k in range(T + 1):
+                if k < T:  # v(z_k): the SDE step's velocity, and the preview's at a checkpoint (no extra call)
+                    v = torch.cat([adapter.velocity(net, z[i:i + M], sigmas[k],
+                                                    common.cond_select(cond, alive[i:i + M] // G))
+                                   for i in range(0, len(alive), M)])   # (|S|, ...)
+                    nfe_sample += len(alive)
+                if k in steps_at:
+                    tic_p = time.time()
+                    n, n_next = len(alive) // B, sizes[steps_at.index(k)]
+                    # [Pro-GRPO preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF)
+                    x0_hat = common.x0_prediction(z, v, sigmas[k]) if k < T else z
+                    proxy = score(x0_hat, alive)              # (|S|,) R_hat, the training reward on previews
+                    # [Pro-GRPO OVF] per prompt, keep the max-variance subset of size K_{i+1}
+                    keep = torch.cat([b * n + ovf_select(proxy[b * n:(b + 1) * n], n_next) for b in range(B)])
+                    diag.update({f"ovf{k}_preview_mean": proxy.mean().item(), f"ovf{k}_std_before": group_std(proxy, n),
+                                 f"ovf{k}_std_after": group_std(proxy[keep], n_next)})
+                    alive, z, proxy = alive[keep], z[keep], proxy[keep]  # pruned: no more steps, no training
+                    zs, lps = [x[keep] for x in zs], [x[keep] for x in lps]
+                    v = v[keep] if k < T else None
+                    t_preview += time.time() - tic_p
+                if k == T:
+                    break
+                z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap, generator=gen)
+                zs.append(z), lps.append(lp)
+        latents, log_probs = torch.stack(zs, 1), torch.stack(lps, 1)  # (N, T+1, ...) and (N, T), survivors
+        cond = common.cond_select(cond, alive // G)           # (N, ...) the survivors' conditioning, prompt-major
+        t_rollout = time.time() - tic
+
+        # ---- 3b. Rewards -> advantages over the survivors (Pro-GRPO advantage; Flow-GRPO eq. 4) ----
+        tic = time.time()
+        static = bool(steps_at) and steps_at[-1] == T         # the last filter already scored the finished images
+        with torch.no_grad():
+            rewards = proxy if static else score(latents[:, -1], alive)
+        rewards = rewards.to(rt.device).float()
+        grouped = rewards.view(B, K)
+        advantages = survivor_advantages(grouped, args.adv_clip)
+        t_reward = time.time() - tic
+
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO eq. 8) ----
+        tic = time.time()
+        transformer.train()
+        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (flow_grpo reading 3)
+        per_update = (N // M) // args.updates_per_rollout
+        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
+        for u in range(args.updates_per_rollout):
+            chunk = order[u * per_update:(u + 1) * per_update].tolist()
+            for j, mb in enumerate(chunk):
+                idx = slice(mb * M, (mb + 1) * M)
+                c, A = common.cond_select(cond, idx), advantages[idx]
+                for k in range(T_train):
+                    last = j == len(chunk) - 1 and k == T_train - 1
+                    z, z_next = latents[idx, k], latents[idx, k + 1]
+                    with common.no_sync(net, not last):
+                        v = adapter.velocity(net, z, sigmas[k], c)
+                        _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
+                                                           next_x=z_next)
+                        ratio = torch.exp(lp - log_probs[idx, k])
+                        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                        kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                            if args.beta > 0 else torch.zeros_like(pg)
+                        loss = (pg + args.beta * kl).mean()
+                        (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
+                    stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
+                    stats["kl"].append(kl.mean().item())
+                    stats["ratio_dev"].append((ratio - 1).abs().max().item())
+                    stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                    stats["approx_kl"].append(0.5 * ((lp - log_probs[idx, k]) ** 2).mean().item())
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta) = 0
+                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
+                metrics["kl_first_update"] = max(stats["kl"])
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema:
+                ema.step(it * args.updates_per_rollout + u + 1)
+        t_update = time.time() - tic
+
+        # ---- 3d. Log ----
+        zero_std = (grouped.std(1) < 1e-6).float().mean()
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        if sizes and rewards.std() > 0 and proxy.std() > 0:  # does the last preview predict the final reward?
+            diag["preview_corr"] = torch.corrcoef(torch.stack([proxy, rewards.cpu()]))[0, 1].item()
+        metrics.update(diag)
+        metrics.update({
+            "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
+            "reward_std": rewards.std().item(),
+            "group_std_trained": group_std(rewards, K),       # the clustering diagnostic OVF raises
+            "zero_std_frac": common.all_reduce_mean(zero_std).item(),
+            "ratio_dev_max": max(stats["ratio_dev"]),
+            "t_rollout": t_rollout, "t_preview": t_preview, "t_reward": t_reward, "t_update": t_update,
+            **common.work_done(adapter, reward_fn, work_before),
+            "nfe_sample": nfe_sample,
+            "flops_vs_flow_grpo": (nfe_sample + train_cost * N * T_train) / baseline_cost,
+            "time_s": time.time() - t0,
+        })
+        logger.log(metrics)
+
+        # >>> shared: checkpoint
+        # ---- 3e. Checkpoint ----
+        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
+            if rt.is_main:
+                common.save_checkpoint(run_dir, it + 1, adapter, params, lora, optimizer, ema, time.time() - t0)
+            common.barrier()
+    if rt.is_main:
+        common.save_checkpoint(run_dir, args.iterations, adapter, params, lora, optimizer, ema, time.time() - t0)
+    common.barrier()
+    common.cleanup_runtime()
+    return metrics
+    # <<< shared: checkpoint
+
+
+# ---- 4. Entry point ----
+if __name__ == "__main__":
+    main(common.cli(Args, model_defaults=MODEL_DEFAULTS))
