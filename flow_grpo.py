@@ -86,7 +86,7 @@ class Args:
 
 # Per-model defaults: the paper's configs for sd3 / flux (PAPERS §2.3), a calibrated CPU run for toy.
 MODEL_DEFAULTS = {
-    "toy": dict(reward="toy", iterations=50, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
+    "toy": dict(reward="toy", iterations=30, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
                 group_size=8, micro_batch=32, sample_steps=10, noise_level=0.7, lr=3e-4, lora_rank=0,
                 lora_alpha=0, beta=0.03, ema=False, gradient_checkpointing=False),
     "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
