@@ -218,7 +218,7 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, s) -> torch.Tensor:
 def sde_std(t, s, noise_level: float, t_cap: float):
     """Flow-GRPO's diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s).
     At t = 1 the denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point
-    (Flow-GRPO eq. 9 and its official sampler). Returns (g, std) as float32 tensors."""
+    (Flow-GRPO's ODE-to-SDE section and its official sampler). Returns (g, std) as float32 tensors."""
     t = torch.as_tensor(t, dtype=torch.float32)
     s = torch.as_tensor(s, dtype=torch.float32)
     g = noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, torch.as_tensor(t_cap, dtype=torch.float32), t)))
@@ -236,7 +236,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std) -> torch.Tensor:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, t_cap: float,
              next_x: torch.Tensor | None = None, generator: torch.Generator | None = None):
-    """One Flow-GRPO SDE step from t to s (Flow-GRPO eq. 12): the reverse-time SDE with the ODE's marginals,
+    """One Flow-GRPO SDE step from t to s (Flow-GRPO, ODE-to-SDE conversion, Euler-Maruyama step): the reverse-time SDE with the ODE's marginals,
         mean = x + [v + g^2 / (2t) (x + (1 - t) v)] (s - t),   std = g sqrt(t - s),
     where x + (1 - t) v is the noise prediction (so the bracket is v - g^2/2 * score). If `next_x` is given
     (training: the stored sample) its log-prob is evaluated; otherwise a sample is drawn with `generator`.

@@ -9,7 +9,7 @@ Simplifications / readings (vs the paper and its official code):
   1. Each rank owns whole groups (all G samples of its prompts): the advantage's group mean needs no
      gather. The std is the group's own (`--no-global-std`) or that of all rewards of the iteration,
      gathered across ranks (`--global-std`, the official default).
-  2. The KL is the exact KL between the two step Gaussians (paper eq. 14), element-averaged like the
+  2. The KL is the exact KL between the two step Gaussians (Flow-GRPO, the KL term of its objective), element-averaged like the
      log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides by
      2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
   3. The update shuffles whole rollout micro-batches, not single samples: a training micro-batch then
@@ -208,7 +208,7 @@ def main(args: Args) -> dict:
         latents, log_probs = torch.cat(latents), torch.cat(log_probs)
         t_rollout = time.time() - tic
 
-        # ---- 3b. Rewards -> group-relative advantages (Flow-GRPO eq. 4) ----
+        # ---- 3b. Rewards -> group-relative advantages (Flow-GRPO, group-relative advantage) ----
         tic = time.time()
         with torch.no_grad():
             images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
@@ -223,7 +223,7 @@ def main(args: Args) -> dict:
         advantages = ((grouped - mean) / (std + 1e-4)).view(N).clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
-        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO eq. 8) ----
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO, GRPO objective) ----
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (reading 3)

@@ -163,7 +163,7 @@ def continuation_grid(T: int, k: int, stride: int) -> list[int]:
 
 def singular_sde_step(z, v, t, s, group_size: int, noise_level: float, t_cap: float, generator):
     """[G2RPO: Singular Stochastic Sampling] G branches from one shared latent per prompt: the Flow-GRPO SDE step
-    (Flow-GRPO eq. 12) from z_k, with the same v_theta(z_k) for every branch, so the branches differ only by
+    (Flow-GRPO, ODE-to-SDE conversion, Euler-Maruyama step) from z_k, with the same v_theta(z_k) for every branch, so the branches differ only by
     their noise. z, v: (P, ...) -> next latents (P, G, ...) and log-probs (P, G)."""
     P = len(z)
     nxt, log_prob, _, _ = common.sde_step(z.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0),
@@ -378,7 +378,7 @@ def main(args: Args) -> dict:
                                                        next_x=branches[rows, k].flatten(0, 1))
                     lp = lp.view(P, G)
                     ratio = torch.exp(lp - log_probs[rows, k])                           # (P, G)
-                    # [G2RPO: objective] the clipped surrogate of Flow-GRPO eq. 8 on step k only, no KL by default
+                    # [G2RPO: objective] the clipped surrogate of Flow-GRPO's objective on step k only, no KL by default
                     pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
                     kl = common.gaussian_kl(mu[::G], ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                         if args.beta > 0 else torch.zeros(P, device=pg.device)          # mu is shared by the branches

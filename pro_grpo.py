@@ -182,7 +182,7 @@ def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 def survivor_advantages(rewards: torch.Tensor, adv_clip: float) -> torch.Tensor:
     """[Pro-GRPO advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
-    (Flow-GRPO eq. 4's group form, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
+    (Flow-GRPO's group-relative advantage, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, keepdim=True)
     return ((rewards - mean) / (std + 1e-4)).flatten().clamp(-adv_clip, adv_clip)
@@ -343,7 +343,7 @@ def main(args: Args) -> dict:
         cond = common.cond_select(cond, alive // G)           # (N, ...) the survivors' conditioning, prompt-major
         t_rollout = time.time() - tic
 
-        # ---- 3b. Rewards -> advantages over the survivors (Pro-GRPO advantage; Flow-GRPO eq. 4) ----
+        # ---- 3b. Rewards -> advantages over the survivors (Pro-GRPO advantage; Flow-GRPO group-relative advantage) ----
         tic = time.time()
         static = bool(steps_at) and steps_at[-1] == T         # the last filter already scored the finished images
         with torch.no_grad():
@@ -353,7 +353,7 @@ def main(args: Args) -> dict:
         advantages = survivor_advantages(grouped, args.adv_clip)
         t_reward = time.time() - tic
 
-        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO eq. 8) ----
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO, GRPO objective) ----
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (flow_grpo reading 3)
