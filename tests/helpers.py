@@ -1,5 +1,8 @@
 """Shared test utilities: run a trainer in-process with small sizes."""
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import common
@@ -19,3 +22,13 @@ def run(module, argv: list[str]) -> dict:
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun(script: str, argv: list[str], port: int) -> str:
+    """Runs a trainer as 2 gloo processes under torchrun (one thread each); asserts success, returns stdout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(ROOT / script), *argv]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout

@@ -1,16 +1,13 @@
 """v_grpo.py: the surrogate, pairs, ratio and soft-clip against hand computations; every model path end to end
 (on-policy exactness, NFE accounting); held-out learning on the toy model; bad input."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import common
 import v_grpo
-from helpers import ROOT, SMALL, read_metrics, run
+from helpers import SMALL, read_metrics, run, torchrun
 
 
 class ConstantVelocity:
@@ -194,13 +191,9 @@ def test_resume_equals_straight_run(tmp_path):
 def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Two ranks, each with its own prompts and one shared set of pairs (--share-pairs batch): DDP must keep the
     replicas equal through the single surrogate forward and backward per micro-batch."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29537",
-           str(ROOT / "v_grpo.py"), "--model", "tiny-flux", "--iterations", "2", "--prompts-per-step", "4",
-           "--share-pairs", "batch", "--output-dir", str(tmp_path / "r"), *SMALL[2:], "--eval-every", "0"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "ranks 2 | prompts/rank B=2" in out.stdout
+    stdout = torchrun("v_grpo.py", ["--model", "tiny-flux", "--iterations", "2", "--prompts-per-step", "4",
+           "--share-pairs", "batch", "--output-dir", str(tmp_path / "r"), *SMALL[2:], "--eval-every", "0"], port=29537)
+    assert "ranks 2 | prompts/rank B=2" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0
 
