@@ -168,6 +168,17 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def out_of_time(t0: float, budget: float, device) -> bool:
+    """`--time-budget`: True once `budget` seconds have passed since t0 on any rank, so that all ranks stop at
+    the same iteration; a budget of 0 never runs out."""
+    if budget <= 0:
+        return False
+    over = torch.tensor([float(time.time() - t0 >= budget)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return bool(over.item())
+
+
 # =============================================================================================
 # 2. Flow math (all in float32)
 # =============================================================================================

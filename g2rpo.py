@@ -88,6 +88,7 @@ class Args:
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")
     iterations: int | None = field(None, "training iterations (rollout + update)")
+    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; 0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run folder or checkpoint folder to continue from")
     eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
@@ -258,13 +259,15 @@ def main(args: Args) -> dict:
     ema = common.EMA(params) if args.ema else None
     run_dir = common.make_run_dir(args.output_dir, Path(__file__).stem, args.model, args.resume)
     start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
+    if start > args.iterations:
+        raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    t0 = time.time() - elapsed                               # time_s continues across --resume
+    t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
     # <<< shared: setup-run
     sigmas = common.uniform_sigmas(T, args.grid_shift)       # (T+1,) t_0 = 1 ... t_T = 0 (reading 6)
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
@@ -288,9 +291,12 @@ def main(args: Args) -> dict:
     metrics = {}
     for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = {"iteration": it}
-        if args.eval_every and (it % args.eval_every == 0 or it == args.iterations):
+        last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
+        if args.eval_every and (it % args.eval_every == 0 or last):
+            tic = time.time()
             metrics.update(run_eval(it))
-        if it == args.iterations:  # the last line: final evaluation and, under DDP, a check that replicas agree
+            t0 += time.time() - tic                          # time_s leaves evaluation out
+        if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
             if rt.distributed:
                 metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
@@ -427,7 +433,7 @@ def main(args: Args) -> dict:
                 common.save_checkpoint(run_dir, it + 1, adapter, params, lora, optimizer, ema, time.time() - t0)
             common.barrier()
     if rt.is_main:
-        common.save_checkpoint(run_dir, args.iterations, adapter, params, lora, optimizer, ema, time.time() - t0)
+        common.save_checkpoint(run_dir, it, adapter, params, lora, optimizer, ema, time.time() - t0)
     common.barrier()
     common.cleanup_runtime()
     return metrics

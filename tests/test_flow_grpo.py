@@ -123,3 +123,25 @@ def test_toy_held_out_reward_rises(tmp_path):
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
     assert last["eval_reward"] - first["eval_reward"] > 0.08
     assert last["eval_accuracy"] - first["eval_accuracy"] > 0.15
+
+
+def test_out_of_time():
+    now = common.time.time()
+    assert common.out_of_time(now - 10, 5, "cpu") and not common.out_of_time(now, 5, "cpu")
+    assert not common.out_of_time(now - 1e6, 0, "cpu")                     # 0: no budget
+
+
+def test_time_budget_ends_the_run_like_its_last_iteration(tmp_path, monkeypatch):
+    """--time-budget stops at an iteration boundary with the final evaluation and a checkpoint of the iteration
+    reached (here the clock is stubbed to run out before iteration 2 of 50)."""
+    calls = []
+    monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
+    r = tmp_path / "r"
+    run(flow_grpo, ["--iterations", "50", "--time-budget", "7", "--eval-every", "10", "--output-dir", str(r),
+                    *SMALL[:-4], "--threads", "1"])
+    lines = read_metrics(r)
+    assert calls == [7.0] * 3 and [m["iteration"] for m in lines] == [0, 1, 2]
+    assert "eval_reward" in lines[0] and "eval_reward" not in lines[1] and "eval_reward" in lines[2]
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000002"
+    with pytest.raises(ValueError, match="is at iteration 2, past --iterations 1"):
+        run(flow_grpo, ["--iterations", "1", "--output-dir", str(r), "--resume", str(r), *SMALL[:-4], "--threads", "1"])
