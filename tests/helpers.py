@@ -24,6 +24,17 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_path) -> tuple[list[dict], list[dict]]:
+    """Runs `total` iterations straight (tmp_path/straight), and `split` then --resume to `total` (tmp_path/split);
+    returns both metrics.jsonl without the timings (keys starting with t), which differ between runs."""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "split")
+    run(module, [*argv, "--iterations", str(total), "--output-dir", straight])
+    run(module, [*argv, "--iterations", str(split), "--output-dir", resumed])
+    run(module, [*argv, "--iterations", str(total), "--output-dir", resumed, "--resume", resumed])
+    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in ms]  # noqa: E731
+    return drop(read_metrics(straight)), drop(read_metrics(resumed))
+
+
 def torchrun(script: str, argv: list[str], port: int) -> str:
     """Runs a trainer as 2 gloo processes under torchrun (one thread each); asserts success, returns stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -6,7 +6,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import SMALL, read_metrics, run, torchrun
+from helpers import SMALL, read_metrics, run, straight_and_resumed, torchrun
 
 
 @pytest.mark.parametrize("model", ["toy", "tiny-flux", "tiny-sd3"])
@@ -38,11 +38,7 @@ def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
 def test_resume_equals_straight_run(tmp_path):
     """2 iterations + --resume to 4 gives the same metrics and weights as 4 straight iterations."""
     base = ["--model", "tiny-flux", "--seed", "3", *SMALL]
-    run(flow_grpo, [*base, "--iterations", "4", "--output-dir", str(tmp_path / "straight")])
-    run(flow_grpo, [*base, "--iterations", "2", "--output-dir", str(tmp_path / "split")])
-    run(flow_grpo, [*base, "--iterations", "4", "--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split")])
-    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in ms]  # noqa: E731
-    a, b = drop(read_metrics(tmp_path / "straight")), drop(read_metrics(tmp_path / "split"))
+    a, b = straight_and_resumed(flow_grpo, base, 2, 4, tmp_path)
     assert a == b and len(a) == 5
     sa = torch.load(tmp_path / "straight/checkpoints/iter_000004/training_state.pt", weights_only=False)
     sb = torch.load(tmp_path / "split/checkpoints/iter_000004/training_state.pt", weights_only=False)

@@ -8,7 +8,7 @@ import torch
 
 import common
 import g2rpo
-from helpers import SMALL, read_metrics, run
+from helpers import SMALL, read_metrics, run, straight_and_resumed
 
 
 def fake_velocity(x, t):
@@ -182,13 +182,7 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
 
 def test_resume_equals_straight_run(tmp_path):
     base = ["--model", "tiny-flux", "--seed", "3", *SMALL]
-    run(g2rpo, [*base, "--iterations", "3", "--output-dir", str(tmp_path / "straight")])
-    run(g2rpo, [*base, "--iterations", "1", "--output-dir", str(tmp_path / "split")])
-    split = str(tmp_path / "split")
-    run(g2rpo, [*base, "--iterations", "3", "--output-dir", split, "--resume", split])
-    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"}  # noqa: E731
-                       for m in ms]  # wall-clock times differ
-    a, b = drop(read_metrics(tmp_path / "straight")), drop(read_metrics(tmp_path / "split"))
+    a, b = straight_and_resumed(g2rpo, base, 1, 3, tmp_path)
     assert a == b and len(a) == 4
 
 

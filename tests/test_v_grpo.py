@@ -7,7 +7,7 @@ import torch
 
 import common
 import v_grpo
-from helpers import SMALL, read_metrics, run, torchrun
+from helpers import SMALL, read_metrics, run, straight_and_resumed, torchrun
 
 
 class ConstantVelocity:
@@ -180,11 +180,7 @@ def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extr
 def test_resume_equals_straight_run(tmp_path):
     """The pairs come from keyed generators (batch mode: one key for all ranks), so --resume repeats them."""
     base = ["--model", "tiny-flux", "--seed", "3", "--share-pairs", "batch", *SMALL]
-    run(v_grpo, [*base, "--iterations", "3", "--output-dir", str(tmp_path / "straight")])
-    run(v_grpo, [*base, "--iterations", "1", "--output-dir", str(tmp_path / "split")])
-    run(v_grpo, [*base, "--iterations", "3", "--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split")])
-    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in ms]  # noqa: E731
-    a, b = drop(read_metrics(tmp_path / "straight")), drop(read_metrics(tmp_path / "split"))
+    a, b = straight_and_resumed(v_grpo, base, 1, 3, tmp_path)
     assert a == b and len(a) == 4
 
 
