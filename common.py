@@ -1,15 +1,20 @@
-"""Shared nouns for the four trainers: runtime, CLI, models, rewards, prompts, flow math, logging,
-checkpoints and evaluation. Method logic lives in the trainers; this file never names a method.
+"""Shared nouns for the four trainers: flow math, runtime and CLI, models, rewards, prompts, logging and
+checkpoints, evaluation. Method logic lives in the trainers; this file names no method, except where the SDE
+step comes from (section 1's header).
 
 Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise,
 velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
 
-Sections:
-  1. Runtime and CLI           5. Prompts
-  2. Flow math                 6. Rewards
-  3. The toy world             7. Training utilities: LoRA, EMA, logging, image grids, checkpoints
-  4. Model adapters            8. Evaluation and `python common.py pretrain-toy`
-     (toy, tiny-flux, tiny-sd3, flux, sd3)
+Sections, in reading order:
+  1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
+  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults
+  3. Models: the adapter interface (flux, sd3), LoRA, EMA, work counters
+  4. Rewards: name -> scorer, weighted sums
+  5. Prompts
+  6. Logging and checkpoints
+  7. Evaluation
+  Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
+  Appendix B. Tiny offline pipelines (tiny-flux, tiny-sd3) and their smoke-run sizes
 """
 from __future__ import annotations
 
@@ -31,12 +36,111 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from einops import rearrange, repeat
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 # =============================================================================================
-# 1. Runtime and CLI
+# 1. Flow math, all in float32. The SDE step is the ODE-to-SDE step of Flow-GRPO [Flow-GRPO Eq. 8, Eq. 9]:
+#    the reverse-time SDE with the ODE's marginals, discretised with Euler-Maruyama, g = a sqrt(t / (1 - t)).
+# =============================================================================================
+def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Static time shift of SD3: t = s u / (1 + (s - 1) u)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def sd3_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The grid of diffusers' FlowMatchEulerDiscreteScheduler with a static shift: T values of u from 1 down
+    to shift(1/1000), shifted, then 0 appended. Returns (T+1,) float32."""
+    u_min = float(shift_sigmas(torch.tensor(1.0 / num_train_timesteps), shift))
+    u = torch.from_numpy(np.linspace(1.0, u_min, num_steps)).float()
+    return torch.cat([shift_sigmas(u, shift), torch.zeros(1)])
+
+
+def flux_sigmas(num_steps: int, image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
+                base_shift: float = 0.5, max_shift: float = 1.15) -> torch.Tensor:
+    """FLUX's resolution-dependent ("dynamic") shift: u = linspace(1, 1/T, T),
+    t = e^mu / (e^mu + 1/u - 1), mu linear in the number of image tokens. Returns (T+1,) float32."""
+    mu = base_shift + (image_seq_len - base_seq_len) * (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    u = torch.from_numpy(np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32))
+    t = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+    return torch.cat([t.float(), torch.zeros(1)])
+
+
+def uniform_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
+    """u = linspace(1, 0, T+1) with a static shift: evenly spaced steps, ending exactly at 0 (the toy's grid)."""
+    return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+
+
+def _bcast(t, x: torch.Tensor) -> torch.Tensor:
+    """A scalar or per-sample (B,) time, shaped to broadcast against x (B, ...)."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    return t.reshape(-1, *([1] * (x.dim() - 1))) if t.dim() == 1 else t
+
+
+def x0_prediction(x: torch.Tensor, v: torch.Tensor, t) -> torch.Tensor:
+    """One-step jump to t = 0: x0_hat = x_t - t v."""
+    return x.float() - _bcast(t, x) * v.float()
+
+
+def ode_step(x: torch.Tensor, v: torch.Tensor, t, s) -> torch.Tensor:
+    """Euler step of dx/dt = v from t to s (< t): x' = x + (s - t) v."""
+    return x.float() + (_bcast(s, x) - _bcast(t, x)) * v.float()
+
+
+def sde_std(t, s, noise_level: float, t_cap: float):
+    """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s). At t = 1 the
+    denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point, as the
+    official sampler does. Returns (g, std) as float32 tensors. The one place the std is computed."""
+    t = torch.as_tensor(t, dtype=torch.float32)
+    s = torch.as_tensor(s, dtype=torch.float32)
+    g = noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, torch.as_tensor(t_cap, dtype=torch.float32), t)))
+    return g, g * torch.sqrt(t - s)
+
+
+def sde_mean_std(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, t_cap: float):
+    """Mean and std of the Gaussian SDE step from t to s (< t):
+        mean = x + [v + g^2 / (2t) (x + (1 - t) v)] (s - t),   std = g sqrt(t - s),
+    where x + (1 - t) v is the noise prediction, so the bracket is v - (g^2 / 2) score. With noise_level = 0
+    the mean is exactly the Euler step. Returns (mean, std), float32, std shaped to broadcast against x."""
+    x, v = x.float(), v.float()
+    g, std = sde_std(t, s, noise_level, t_cap)
+    tb, sb, gb = _bcast(t, x), _bcast(s, x), _bcast(g, x).to(x.device)
+    mean = x + (v + gb**2 / (2 * tb) * (x + (1 - tb) * v)) * (sb - tb)
+    return mean, _bcast(std, x).to(x.device)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std) -> torch.Tensor:
+    """log N(x; mean, std^2) averaged (not summed) over all but the batch dimension, in float32. The mean
+    makes exp(logp_new - logp_old) a per-element geometric-mean ratio, which is why clip ranges of 1e-4 work."""
+    x, mean = x.float(), mean.float()
+    std = _bcast(std, x)
+    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.flatten(1).mean(1)
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, t_cap: float,
+             next_x: torch.Tensor | None = None, generator: torch.Generator | None = None):
+    """One SDE step from t to s: the Gaussian of `sde_mean_std`. If `next_x` is given (training: the stored
+    sample) its log-prob is evaluated; otherwise a sample is drawn with `generator`. With noise_level = 0
+    this is exactly the Euler step (and the log-prob, meaningless, is 0).
+    Returns (next_x, log_prob (B,), mean, std), all float32."""
+    mean, std = sde_mean_std(x, v, t, s, noise_level, t_cap)
+    if next_x is None:
+        noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
+        next_x = mean + std * noise
+    log_prob = gaussian_log_prob(next_x, mean, std) if noise_level > 0 else torch.zeros(len(x), device=x.device)
+    return next_x.float(), log_prob, mean, std
+
+
+def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std) -> torch.Tensor:
+    """KL between two Gaussians of equal std, averaged over elements like the log-prob: mean (mp - mq)^2 / 2std^2."""
+    return (((mean_p.float() - mean_q.float()) ** 2) / (2 * _bcast(std, mean_p) ** 2)).flatten(1).mean(1)
+
+
+# =============================================================================================
+# 2. Runtime and CLI
 # =============================================================================================
 @dataclasses.dataclass
 class Runtime:
@@ -105,33 +209,41 @@ def field(default, help: str, **kwargs):
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
+def model_overrides(model: str, model_defaults: dict) -> dict:
+    """The defaults that replace the Args fields' own (the toy run) for `model`: the trainer's table for flux /
+    sd3; for tiny-flux / tiny-sd3 that table, then the smoke-run sizes TINY_DEFAULTS (Appendix B), then the
+    trainer's "tiny" entry."""
+    family = model.removeprefix("tiny-")
+    out = dict(model_defaults.get(family, {})) if family in ("flux", "sd3") else {}
+    if model.startswith("tiny-"):
+        out.update(TINY_DEFAULTS, **model_defaults.get("tiny", {}))
+    return out
+
+
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
-    """Builds an argparse parser from a dataclass whose fields carry help strings. Fields whose default
-    is None and that appear in `model_defaults[model]` take the per-model default unless given."""
-    doc = (sys.modules["__main__"].__doc__ or "").split("\n\n")[0]
-    parser = argparse.ArgumentParser(description=" ".join(doc.split()))
-    for f in dataclasses.fields(args_cls):
-        name = "--" + f.name.replace("_", "-")
+    """Parses the command line into `args_cls`, a dataclass whose fields carry the toy defaults and help
+    strings. `--model` is read first, so that `--help` and every field left unset take that model's defaults
+    (`model_overrides`)."""
+    doc = " ".join((sys.modules["__main__"].__doc__ or "").split("\n\n")[0].split())
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=fields["model"].default)
+    model = pre.parse_known_args(argv)[0].model
+    parser = argparse.ArgumentParser(description=f"{doc} Defaults shown are those of --model {model}.")
+    if model not in MODELS:
+        parser.error(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
+    defaults = {k: v for k, v in model_overrides(model, model_defaults or {}).items() if k in fields}
+    for f in fields.values():
+        default = defaults.get(f.name, f.default)
         typ = str(f.type).replace(" | None", "")
-        per_model = {m: d[f.name] for m, d in (model_defaults or {}).items() if f.name in d}
-        help_ = f.metadata.get("help", "")
-        if per_model:
-            help_ += " (default per model: " + ", ".join(f"{m}={v}" for m, v in per_model.items()) + ")"
-        elif f.default is not None:
-            help_ += f" (default: {f.default})"
+        help_ = f.metadata.get("help", "") + ("" if default is None else f" (default: {default})")
         if typ == "bool":
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            parser.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                                default=default, help=help_)
         else:
-            parser.add_argument(name, type={"int": int, "float": float}.get(typ, str), default=f.default, help=help_)
-    ns = parser.parse_args(argv)
-    args = args_cls(**vars(ns))
-    if model_defaults is not None:
-        if args.model not in MODELS:
-            parser.error(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)}")
-        for k, v in model_defaults.get(args.model, model_defaults.get("default", {})).items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-    return args
+            parser.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float}.get(typ, str),
+                                default=default, help=help_)
+    return args_cls(**vars(parser.parse_args(argv)))
 
 
 def barrier():
@@ -151,7 +263,8 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
 def rank_param_diff(params: list[torch.Tensor]) -> float:
     """Largest difference across ranks of per-tensor sums and sums of squares (0.0: replicas identical)."""
     fp = torch.stack([t for p in params for t in (p.detach().double().sum(), p.detach().double().square().sum())])
-    allfp = all_gather_cat(fp.cpu() if not dist.is_initialized() or dist.get_backend() == "gloo" else fp).view(-1, len(fp))
+    on_cpu = not dist.is_initialized() or dist.get_backend() == "gloo"
+    allfp = all_gather_cat(fp.cpu() if on_cpu else fp).view(-1, len(fp))
     return (allfp.max(0).values - allfp.min(0).values).max().item()
 
 
@@ -180,98 +293,674 @@ def out_of_time(t0: float, budget: float, device) -> bool:
 
 
 # =============================================================================================
-# 2. Flow math (all in float32)
+# 3. Models: one small interface, so trainers never branch on the model
 # =============================================================================================
-def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
-    """Static time shift of SD3: t = s u / (1 + (s - 1) u)."""
-    return shift * u / (1 + (shift - 1) * u)
+# Each adapter holds the frozen parts (text encoders, VAE) and the `transformer` being trained, and knows:
+#   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
+#   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
+#   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
+#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
+#                                   transformer to call (the trained one, DDP-wrapped or the reference)
+#   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
+#   lora_targets, save_lora(dir, state_dict)
+# flux and sd3 wrap the real diffusers pipelines; the toy adapter is in Appendix A, the tiny pipelines in Appendix B.
+MODELS = ("toy", "tiny-flux", "tiny-sd3", "flux", "sd3")
+HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
+
+FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                     "ff_context.net.2"]
+SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
 
 
-def sd3_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """The grid of diffusers' FlowMatchEulerDiscreteScheduler with a static shift: T values of u from 1 down
-    to shift(1/1000), shifted, then 0 appended. Returns (T+1,) float32."""
-    u_min = float(shift_sigmas(torch.tensor(1.0 / num_train_timesteps), shift))
-    u = torch.from_numpy(np.linspace(1.0, u_min, num_steps)).float()
-    return torch.cat([shift_sigmas(u, shift), torch.zeros(1)])
+def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
+               guidance_scale: float | None = None):
+    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained)."""
+    if name == "toy":
+        from diffusers import FluxTransformer2DModel
+        from transformers import CLIPTextModel
+        root = Path(path) if path else ASSETS / "toy"
+        if not (root / "transformer").is_dir():
+            raise FileNotFoundError(f"toy weights not found in {root}: run "
+                                    f"`python common.py pretrain-toy --out {root}`")
+        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    family = name.removeprefix("tiny-")
+    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}.get(
+        family, (None, None))
+    if cls is None:
+        raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
+    if name.startswith("tiny-") and path is None:
+        pipe = build_tiny_flux() if family == "flux" else build_tiny_sd3()
+    else:
+        pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype=rt.dtype)
+    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale))
 
 
-def flux_sigmas(num_steps: int, image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
-                base_shift: float = 0.5, max_shift: float = 1.15) -> torch.Tensor:
-    """FLUX's resolution-dependent ("dynamic") shift: u = linspace(1, 1/T, T),
-    t = e^mu / (e^mu + 1/u - 1), mu linear in the number of image tokens. Returns (T+1,) float32."""
-    mu = base_shift + (image_seq_len - base_seq_len) * (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    u = torch.from_numpy(np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32))
-    t = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
-    return torch.cat([t.float(), torch.zeros(1)])
+def instrument(adapter):
+    """Counts the work done through an adapter in `adapter.counts`: transformer evaluations (rows through the
+    forward pass; "fwd" without grad, i.e. sampling, and "fwd_grad" with grad, each followed by a backward;
+    CFG's two branches count as two rows) and VAE decodes. A closure, so a frozen copy of the transformer
+    (deepcopy keeps the same function) counts into the same place."""
+    import collections
+    counts = adapter.counts = collections.Counter()
+
+    def hook(module, args, kwargs, out):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
+
+    adapter.transformer.register_forward_hook(hook, with_kwargs=True)
+    decode = adapter.decode
+
+    def counted_decode(x):
+        counts["decode"] += x.shape[0]
+        return decode(x)
+
+    adapter.decode = counted_decode
+    return adapter
 
 
-def uniform_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """u = linspace(1, 0, T+1), shifted (DanceGRPO/MixGRPO-style grid; the toy model's grid)."""
-    return shift_sigmas(torch.linspace(1.0, 0.0, num_steps + 1), shift)
+def work_done(adapter, reward_fn, before: dict) -> dict:
+    """Per-iteration work since `before` (a snapshot of adapter.counts plus reward_fn.calls): transformer
+    evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad (nfe_fwd_bwd: each
+    also has a backward pass), VAE decodes and images scored."""
+    now = {**adapter.counts, "reward_calls": reward_fn.calls}
+    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls"}
+    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
 
 
-def _bcast(t, x: torch.Tensor) -> torch.Tensor:
-    """A scalar or per-sample (B,) time, shaped to broadcast against x (B, ...)."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
-    return t.reshape(-1, *([1] * (x.dim() - 1))) if t.dim() == 1 else t
+def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the pre-trained network: the reference policy under full fine-tuning."""
+    import copy
+    ref = copy.deepcopy(module).eval()
+    ref.requires_grad_(False)
+    return ref
 
 
-def x0_prediction(x: torch.Tensor, v: torch.Tensor, t) -> torch.Tensor:
-    """One-step jump to t = 0: x0_hat = x_t - t v."""
-    return x.float() - _bcast(t, x) * v.float()
+def cond_select(cond: dict, idx) -> dict:
+    """Rows `idx` of every batched tensor in a conditioning dict."""
+    return {k: v[idx] for k, v in cond.items()}
 
 
-def ode_step(x: torch.Tensor, v: torch.Tensor, t, s) -> torch.Tensor:
-    """Euler step of dx/dt = v from t to s (< t): x' = x + (s - t) v."""
-    return x.float() + (_bcast(s, x) - _bcast(t, x)) * v.float()
+def cond_repeat(cond: dict, n: int) -> dict:
+    """Each prompt's conditioning repeated n times in a row (a group of n samples per prompt, prompt-major)."""
+    return {k: repeat(v, "b ... -> (b n) ...", n=n) for k, v in cond.items()}
 
 
-def sde_std(t, s, noise_level: float, t_cap: float):
-    """Flow-GRPO's diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s).
-    At t = 1 the denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point
-    (Flow-GRPO's ODE-to-SDE section and its official sampler). Returns (g, std) as float32 tensors."""
-    t = torch.as_tensor(t, dtype=torch.float32)
-    s = torch.as_tensor(s, dtype=torch.float32)
-    g = noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, torch.as_tensor(t_cap, dtype=torch.float32), t)))
-    return g, g * torch.sqrt(t - s)
+class FluxFamilyAdapter:
+    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
+
+    transformer: torch.nn.Module
+    guidance_scale: float | None = None
+
+    def _autocast(self):
+        on_gpu = self.device.type == "cuda"
+        return torch.autocast("cuda", dtype=self.dtype) if on_gpu else contextlib.nullcontext()
+
+    def velocity(self, net, x, t, cond):
+        b = len(x)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b) if torch.as_tensor(t).dim() == 0 \
+            else torch.as_tensor(t, dtype=torch.float32, device=self.device)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), float(self.guidance_scale), device=self.device, dtype=torch.float32)
+        with self._autocast():
+            out = net(hidden_states=x.to(self.dtype), timestep=t.to(self.dtype), guidance=guidance,
+                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        return out.float()
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std) -> torch.Tensor:
-    """log N(x; mean, std^2) averaged (not summed) over all but the batch dimension, in float32. The mean
-    makes exp(logp_new - logp_old) a per-element geometric-mean ratio, which is why clip ranges of 1e-4 work."""
-    x, mean = x.float(), mean.float()
-    std = _bcast(std, x)
-    lp = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
-    return lp.flatten(1).mean(1)
+class FluxAdapter(FluxFamilyAdapter):
+    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
+
+    lora_targets = FLUX_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 512):
+        f = pipe.vae_scale_factor
+        if resolution % (2 * f):
+            raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for FLUX")
+        _freeze_pipeline(pipe, device, dtype)
+        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
+        self.device, self.dtype, self.resolution = device, dtype, resolution
+        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        self.h = 2 * (resolution // (2 * f))  # latent side before packing
+        self.channels = self.transformer.config.in_channels // 4
+        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
+        self.txt_ids = None
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
+                                                               max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    def noise(self, n, generator=None):
+        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
+        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
+
+    def sigmas(self, num_steps):
+        c = self.pipe.scheduler.config
+        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                           c.max_shift)
+
+    @torch.no_grad()
+    def decode(self, x):
+        x = self.pipe._unpack_latents(x.float(), self.resolution, self.resolution, self.pipe.vae_scale_factor)
+        return _vae_decode(self.vae, x)
+
+    def save_lora(self, path, state_dict):
+        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-def sde_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, t_cap: float,
-             next_x: torch.Tensor | None = None, generator: torch.Generator | None = None):
-    """One Flow-GRPO SDE step from t to s (Flow-GRPO, ODE-to-SDE conversion, Euler-Maruyama step): the reverse-time SDE with the ODE's marginals,
-        mean = x + [v + g^2 / (2t) (x + (1 - t) v)] (s - t),   std = g sqrt(t - s),
-    where x + (1 - t) v is the noise prediction (so the bracket is v - g^2/2 * score). If `next_x` is given
-    (training: the stored sample) its log-prob is evaluated; otherwise a sample is drawn with `generator`.
-    With noise_level = 0 this is exactly the Euler step (and the log-prob is meaningless).
-    Returns (next_x, log_prob (B,), mean, std), all float32."""
-    x, v = x.float(), v.float()
-    g, std = sde_std(t, s, noise_level, t_cap)
-    tb, sb, gb = _bcast(t, x), _bcast(s, x), _bcast(g, x).to(x.device)
-    mean = x + (v + gb**2 / (2 * tb) * (x + (1 - tb) * v)) * (sb - tb)
-    stdb = _bcast(std, x).to(x.device)
-    if next_x is None:
-        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
-        next_x = mean + stdb * noise
-    log_prob = gaussian_log_prob(next_x, mean, stdb) if noise_level > 0 else torch.zeros(len(x), device=x.device)
-    return next_x.float(), log_prob, mean, stdb
+class SD3Adapter:
+    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch,
+    as the pipeline does), static shift 3, timesteps 1000 t."""
+
+    lora_targets = SD3_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 256):
+        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        if resolution % f:
+            raise ValueError(f"--resolution {resolution} must be a multiple of {f} for SD3")
+        _freeze_pipeline(pipe, device, dtype)
+        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
+        self.device, self.dtype, self.resolution = device, dtype, resolution
+        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        self.h = resolution // pipe.vae_scale_factor
+        self.channels = self.transformer.config.in_channels
+        self.negative = None
+
+    def _encode(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        if self.negative is None and self.guidance_scale > 1:
+            self.negative = self._encode([""])
+        return self._encode(prompts)
+
+    def noise(self, n, generator=None):
+        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
+
+    def sigmas(self, num_steps):
+        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
+
+    def velocity(self, net, x, t, cond):
+        b = len(x)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
+        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
+        cfg = self.guidance_scale > 1
+        if cfg:  # [uncond, cond] in one batch, like the pipeline
+            x = torch.cat([x, x])
+            t = torch.cat([t, t])
+            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
+            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
+        ctx = torch.autocast("cuda", dtype=self.dtype) if self.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            out = net(hidden_states=x.to(self.dtype), timestep=(t * 1000).to(self.dtype), encoder_hidden_states=embeds,
+                      pooled_projections=pooled, return_dict=False)[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + self.guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, x):
+        return _vae_decode(self.vae, x.float())
+
+    def save_lora(self, path, state_dict):
+        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std) -> torch.Tensor:
-    """KL between two Gaussians of equal std, averaged over elements like the log-prob: mean (mp - mq)^2 / 2std^2."""
-    return (((mean_p.float() - mean_q.float()) ** 2) / (2 * _bcast(std, mean_p) ** 2)).flatten(1).mean(1)
+def _freeze_pipeline(pipe, device, dtype):
+    """Frozen text encoders and transformer in `dtype` on `device`; the VAE stays in float32."""
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False).eval().to(device)
+            want = torch.float32 if name == "vae" else dtype
+            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
+                module.to(dtype=want)
+
+
+def _vae_decode(vae, latents):
+    """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
+    latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
+def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
+    """Freezes the transformer and adds a peft LoRA (diffusers' integration, so the adapter can be disabled
+    for the reference policy and saved in diffusers' format). rank 0 = full fine-tuning. Returns the
+    trainable parameters (kept in float32 master precision)."""
+    if rank <= 0:
+        transformer.requires_grad_(True)
+        return [p for p in transformer.parameters()]
+    from peft import LoraConfig
+    transformer.requires_grad_(False)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+@contextlib.contextmanager
+def lora_disabled(transformer: torch.nn.Module):
+    """The reference policy under LoRA: the same network with its adapter switched off."""
+    transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        transformer.enable_adapters()
+
+
+class EMA:
+    """Exponential moving average of the trainable parameters: decay min((1 + n) / (10 + n), max_decay) at the
+    n-th update, updated every `every` optimizer steps (the official GRPO trainers' schedule)."""
+
+    def __init__(self, params, max_decay: float = 0.9, every: int = 8):
+        self.params, self.max_decay, self.every = list(params), max_decay, every
+        self.shadow = [p.detach().clone() for p in self.params]
+        self.num_updates = 0
+
+    @torch.no_grad()
+    def step(self, optimizer_step: int):
+        if optimizer_step % self.every:
+            return
+        decay = min((1 + self.num_updates) / (10 + self.num_updates), self.max_decay)
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach(), 1 - decay)
+        self.num_updates += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    def state_dict(self):
+        return {"shadow": self.shadow, "num_updates": self.num_updates}
+
+    def load_state_dict(self, sd):
+        for s, v in zip(self.shadow, sd["shadow"]):
+            s.copy_(v)
+        self.num_updates = sd["num_updates"]
 
 
 # =============================================================================================
-# 3. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit
+# 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts) -> (N,) float32
+# =============================================================================================
+class ToyReward:
+    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts):
+        return toy_reward(images, prompts).to(self.device)
+
+
+class JpegCompressibility:
+    """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts):
+        from PIL import Image
+        arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+        sizes = []
+        for a in arr:
+            buf = io.BytesIO()
+            Image.fromarray(a).save(buf, format="JPEG", quality=95)
+            sizes.append(-buf.tell() / 1000)
+        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
+
+
+def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
+    """CLIPImageProcessor's steps on [0, 1] tensors, on their device: bicubic antialiased resize of the
+    shortest side, centre crop (floor offsets, as transformers), normalise by image_mean / image_std."""
+    def hw(size):
+        if isinstance(size, int):
+            return size, size
+        if size.get("height") is not None:
+            return size["height"], size["width"]
+        return size["shortest_edge"]
+
+    x = images.float()
+    size = hw(config["size"])
+    if isinstance(size, int):  # shortest side -> size, long side truncated
+        h, w = x.shape[-2:]
+        size = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
+    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    (ch, cw), (h, w) = hw(config["crop_size"]), x.shape[-2:]
+    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
+    mean = torch.tensor(config["image_mean"], device=x.device).view(1, -1, 1, 1)
+    std = torch.tensor(config["image_std"], device=x.device).view(1, -1, 1, 1)
+    return (x - mean) / std
+
+
+class _CLIPSimilarity:
+    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
+
+    divisor = 1.0
+
+    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
+        from transformers import CLIPModel, CLIPProcessor
+        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
+        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
+        self.model = CLIPModel.from_pretrained(model_id, dtype=dtype).eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    @staticmethod
+    def _embedding(out) -> torch.Tensor:
+        # transformers 5 returns an output object whose pooler_output holds the projected embedding
+        # (what CLIPModel.forward uses for logits_per_image); transformers 4 returns that tensor itself.
+        return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    @torch.no_grad()
+    def __call__(self, images, prompts):
+        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                              return_tensors="pt").to(self.device)
+        img = self._embedding(self.model.get_image_features(pixel_values=pixels)).float()
+        txt = self._embedding(self.model.get_text_features(**text)).float()
+        cos = F.cosine_similarity(img, txt, dim=-1)
+        return (self.model.logit_scale.float().exp() * cos / self.divisor).float()
+
+
+class PickScore(_CLIPSimilarity):
+    """PickScore_v1 (a CLIP-H fine-tuned on human preferences): its logit 100 cos / 26, the scale of the official
+    GRPO trainers (typical values 0.8-0.9). The processor comes from the CLIP-H repository it was fine-tuned from."""
+
+    divisor = 26.0
+
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                 device="cpu", dtype=torch.float32):
+        super().__init__(model_id, processor_id, device, dtype)
+
+
+class CLIPScore(_CLIPSimilarity):
+    """CLIP ViT-L/14 logit 100 cos / 30, the official GRPO trainers' clipscore (not Hessel et al.'s
+    2.5 max(cos, 0))."""
+
+    divisor = 30.0
+
+    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+        super().__init__(model_id, None, device, dtype)
+
+
+REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore}
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1."""
+    out = []
+    for part in [p.strip() for p in (spec or "").split(",")]:
+        name, _, w = part.partition(":")
+        name = name.strip().lower()
+        if name not in REWARDS or name in dict(out):
+            raise ValueError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
+                             f"known rewards: {', '.join(REWARDS)}")
+        try:
+            weight = float(w) if w else 1.0
+            assert math.isfinite(weight)
+            out.append((name, weight))
+        except (ValueError, AssertionError):
+            raise ValueError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number") from None
+    return out
+
+
+class WeightedReward:
+    """A weighted sum of scorers. __call__ returns (total (N,), {name: (N,)})."""
+
+    def __init__(self, spec: str, device="cpu"):
+        self.terms = [(name, w, REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
+        self.calls = 0  # images scored so far
+
+    @torch.no_grad()
+    def __call__(self, images, prompts):
+        self.calls += len(images)
+        parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
+        total = sum(w * parts[name] for name, w, _ in self.terms)
+        return total, parts
+
+
+def build_reward(spec: str, device="cpu") -> WeightedReward:
+    return WeightedReward(spec, device)
+
+
+# =============================================================================================
+# 5. Prompts
+# =============================================================================================
+def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
+    """Returns (train, eval) lists of records {"prompt": str, ...metadata}. `path` is a text file (one prompt a
+    line) or a .jsonl file (one object a line with a "prompt" key and optional "split": "train"/"eval").
+    Without a "split" field, a fixed every-k-th line goes to eval. With no path: the toy grammar (train and
+    evaluate on the held-out pairs) for the toy model, else assets/prompts.txt."""
+    if path is None:
+        if model == "toy":
+            recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
+            return recs, recs
+        path = str(ASSETS / "prompts.txt")
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt "
+                                f"a line) or .jsonl (objects with a 'prompt' key) file")
+    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    if p.suffix == ".jsonl":
+        recs = []
+        for i, ln in enumerate(lines):
+            try:
+                rec = json.loads(ln)
+                assert isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
+            except Exception:
+                raise ValueError(f"{path}:{i + 1} is not a JSON object with a string 'prompt' key") from None
+            recs.append(rec)
+    else:
+        recs = [{"prompt": ln.strip()} for ln in lines]
+    if not recs:
+        raise ValueError(f"prompt file {path!r} holds no prompts")
+    if any("split" in r for r in recs):
+        train = [r for r in recs if r.get("split", "train") == "train"]
+        evals = [r for r in recs if r.get("split") == "eval"]
+    else:
+        k = max(2, round(1 / eval_fraction))
+        evals = recs[::k] if len(recs) >= 2 else recs
+        train = [r for i, r in enumerate(recs) if i % k] or recs
+    return train, evals or train[:1]
+
+
+def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
+    """n records for one iteration: without replacement when the set is large enough."""
+    if n <= len(records):
+        idx = torch.randperm(len(records), generator=generator)[:n]
+    else:
+        idx = torch.randint(len(records), (n,), generator=generator)
+    return [records[i] for i in idx.tolist()]
+
+
+# =============================================================================================
+# 6. Logging and checkpoints
+# =============================================================================================
+class Logger:
+    """One JSON line per iteration in metrics.jsonl, one line on stdout, and Weights & Biases when given a
+    `wandb_config` (the run's settings); the main process only."""
+
+    def __init__(self, run_dir: Path, is_main: bool, start_iteration: int = 0, wandb_config: dict | None = None):
+        self.is_main, self.path, self.wandb = is_main, Path(run_dir) / "metrics.jsonl", None
+        if not is_main:
+            return
+        if self.path.exists():  # a resumed run: keep the lines up to the checkpoint, drop later ones
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln and json.loads(ln)["iteration"] < start_iteration]
+            write_atomic(self.path, "".join(ln + "\n" for ln in kept))
+        if wandb_config is not None:
+            import wandb
+            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=Path(run_dir).name)
+
+    def log(self, metrics: dict):
+        if not self.is_main:
+            return
+        metrics = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "time_s"]
+        from tqdm import tqdm
+        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
+
+def write_atomic(path: Path, text: str):
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_image_grid(images: torch.Tensor, path: Path, nrow: int | None = None):
+    """Saves (N, 3, H, W) images in [0, 1] as one PNG grid (small images are upscaled to be visible)."""
+    from PIL import Image
+    n, _, h, w = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    ncol = math.ceil(n / nrow)
+    grid = torch.zeros(3, ncol * (h + 2), nrow * (w + 2))
+    for i, im in enumerate(images.float().cpu()):
+        r, c = divmod(i, nrow)
+        grid[:, r * (h + 2) + 1: r * (h + 2) + 1 + h, c * (w + 2) + 1: c * (w + 2) + 1 + w] = im
+    img = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    scale = max(1, 128 // h)
+    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
+
+
+def make_run_dir(output_dir: str | None, method: str, model: str, resume: str | None) -> Path:
+    """The run folder. A new run never writes into a folder that already holds a run."""
+    if output_dir is None:
+        output_dir = f"runs/{method}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(output_dir)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, "
+                              f"or a new --output-dir")
+    return run_dir
+
+
+def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
+                    elapsed: float = 0.0) -> Path:
+    """Writes run_dir/checkpoints/iter_NNNNNN atomically (a temp folder renamed into place):
+      - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
+        or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
+        on, these hold the EMA weights;
+      - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds,
+        for --resume."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"iter_{iteration:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
+    transformer = adapter.transformer
+    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+        if lora:
+            from peft.utils import get_peft_model_state_dict
+            adapter.save_lora(tmp, get_peft_model_state_dict(transformer))
+        else:
+            transformer.save_pretrained(tmp / "transformer")
+    torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
+                "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None, "elapsed": elapsed},
+               tmp / "training_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_atomic(ckpt_root / "latest", final.name)
+    return final
+
+
+def find_checkpoint(path: str) -> Path:
+    """--resume accepts a checkpoint folder or a run folder (then its latest checkpoint)."""
+    p = Path(path)
+    if (p / "checkpoints" / "latest").is_file():
+        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+    if not (p / "training_state.pt").is_file():
+        raise FileNotFoundError(f"--resume {path}: no training_state.pt there; pass a run folder or one of its "
+                                f"checkpoints/iter_* folders")
+    return p
+
+
+def load_checkpoint(path: str, params: list, optimizer, ema: EMA | None) -> tuple[int, float]:
+    """Restores the trainable parameters, optimizer and EMA; returns (iteration to continue from, elapsed s)."""
+    ckpt = find_checkpoint(path)
+    try:
+        state = torch.load(ckpt / "training_state.pt", map_location="cpu", weights_only=False)
+        saved = state["params"]
+    except Exception as e:
+        raise RuntimeError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
+                           f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
+    if len(saved) != len(params) or any(s.shape != p.shape for s, p in zip(saved, params)):
+        raise ValueError(f"checkpoint {ckpt} does not match this model: it holds {len(saved)} trainable tensors, "
+                         f"the model {len(params)}; resume with the same --model and LoRA settings")
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    optimizer.load_state_dict(state["optimizer"])
+    if ema is not None and state.get("ema"):
+        ema.load_state_dict(state["ema"])
+    return state["iteration"], state.get("elapsed", 0.0)
+
+
+# =============================================================================================
+# 7. Evaluation
+# =============================================================================================
+@torch.no_grad()
+def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Deterministic Euler sampler over the grid `sigmas`: the evaluation path (noise level 0)."""
+    for k in range(len(sigmas) - 1):
+        x = ode_step(x, adapter.velocity(net, x, sigmas[k], cond), sigmas[k], sigmas[k + 1])
+    return x
+
+
+@torch.no_grad()
+def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
+             seed: int = 0, batch_size: int = 16, accuracy_fn=None):
+    """Held-out evaluation with the deterministic ODE sampler. Image i uses prompt i mod len(records) and
+    initial noise seeded by (seed, i), so the evaluation is identical for any number of ranks or batch
+    size. Ranks split the images. Returns ({"eval_reward", ["eval_accuracy"]}, this rank's images)."""
+    sigmas = adapter.sigmas(steps)
+    mine = list(range(runtime.rank, num_images, runtime.world_size))
+    sums = torch.zeros(3, dtype=torch.float64)
+    images = []
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i: i + batch_size]
+        prompts = [records[j % len(records)]["prompt"] for j in chunk]
+        x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
+        imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
+        sums[0] += reward_fn(imgs, prompts)[0].sum().item()
+        sums[1] += accuracy_fn(imgs, prompts).sum().item() if accuracy_fn else 0.0
+        sums[2] += len(chunk)
+        images.append(imgs.cpu())
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    out = {"eval_reward": (sums[0] / sums[2]).item()}
+    if accuracy_fn is not None:
+        out["eval_accuracy"] = (sums[1] / sums[2]).item()
+    return out, torch.cat(images) if images else torch.zeros(0)
+
+
+# =============================================================================================
+# Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit
 # =============================================================================================
 TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.25, 1.0),
               "yellow": (1.0, 1.0, 0.0), "white": (1.0, 1.0, 1.0)}
@@ -397,16 +1086,12 @@ class ToyTokenizer:
 
 def toy_pack(images: torch.Tensor) -> torch.Tensor:
     """(B, 3, 16, 16) in [0, 1] -> (B, 64, 12) tokens in [-1, 1]: 2x2 patches, as FLUX packs latents."""
-    x = images * 2 - 1
-    b, c, h, w = x.shape
-    return x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    return rearrange(images * 2 - 1, "b c (h p) (w q) -> b (h w) (c p q)", p=2, q=2)
 
 
 def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
     """Inverse of toy_pack, back to [0, 1] (clamped)."""
-    b, n, c4 = tokens.shape
-    h = w = int(math.isqrt(n))
-    x = tokens.reshape(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c4 // 4, 2 * h, 2 * w)
+    x = rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2)
     return ((x + 1) / 2).clamp(0, 1)
 
 
@@ -427,124 +1112,6 @@ def build_toy_modules(seed: int = 0):
         num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False,
         axes_dims_rope=(4, 6, 6))
     return transformer, text_encoder
-
-
-# =============================================================================================
-# 4. Model adapters: one small interface, so trainers never branch on the model
-# =============================================================================================
-# Each adapter holds the frozen parts (text encoders, VAE) and the `transformer` being trained, and knows:
-#   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
-#   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
-#   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
-#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
-#                                   transformer to call (the trained one, DDP-wrapped or the reference)
-#   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
-#   lora_targets, save_lora(dir, state_dict)
-MODELS = ("toy", "tiny-flux", "tiny-sd3", "flux", "sd3")
-HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
-
-FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2"]
-SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
-
-
-def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
-               guidance_scale: float | None = None):
-    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained)."""
-    if name == "toy":
-        from diffusers import FluxTransformer2DModel
-        from transformers import CLIPTextModel
-        root = Path(path) if path else ASSETS / "toy"
-        if not (root / "transformer").is_dir():
-            raise FileNotFoundError(f"toy weights not found in {root}: run `python common.py pretrain-toy --out {root}`")
-        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    family = name.removeprefix("tiny-")
-    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}.get(
-        family, (None, None))
-    if cls is None:
-        raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
-    if name.startswith("tiny-") and path is None:
-        pipe = build_tiny_flux() if family == "flux" else build_tiny_sd3()
-    else:
-        pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype=rt.dtype)
-    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale))
-
-
-def instrument(adapter):
-    """Counts the work done through an adapter in `adapter.counts`: transformer evaluations (rows through the
-    forward pass; "fwd" without grad, i.e. sampling, and "fwd_grad" with grad, each followed by a backward;
-    CFG's two branches count as two rows) and VAE decodes. A closure, so a frozen copy of the transformer
-    (deepcopy keeps the same function) counts into the same place."""
-    import collections
-    counts = adapter.counts = collections.Counter()
-
-    def hook(module, args, kwargs, out):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
-
-    adapter.transformer.register_forward_hook(hook, with_kwargs=True)
-    decode = adapter.decode
-
-    def counted_decode(x):
-        counts["decode"] += x.shape[0]
-        return decode(x)
-
-    adapter.decode = counted_decode
-    return adapter
-
-
-def work_done(adapter, reward_fn, before: dict) -> dict:
-    """Per-iteration work since `before` (a snapshot of adapter.counts plus reward_fn.calls): transformer
-    evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad (nfe_fwd_bwd: each
-    also has a backward pass), VAE decodes and images scored."""
-    now = {**adapter.counts, "reward_calls": reward_fn.calls}
-    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls"}
-    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
-
-
-def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the pre-trained network: the reference policy under full fine-tuning."""
-    import copy
-    ref = copy.deepcopy(module).eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def cond_select(cond: dict, idx) -> dict:
-    """Rows `idx` of every batched tensor in a conditioning dict."""
-    return {k: v[idx] for k, v in cond.items()}
-
-
-def cond_repeat(cond: dict, n: int) -> dict:
-    """Each prompt's conditioning repeated n times in a row (a group of n samples per prompt)."""
-    return {k: v.repeat_interleave(n, 0) for k, v in cond.items()}
-
-
-class FluxFamilyAdapter:
-    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
-
-    transformer: torch.nn.Module
-    guidance_scale: float | None = None
-
-    def _autocast(self):
-        on_gpu = self.device.type == "cuda"
-        return torch.autocast("cuda", dtype=self.dtype) if on_gpu else contextlib.nullcontext()
-
-    def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b) if torch.as_tensor(t).dim() == 0 \
-            else torch.as_tensor(t, dtype=torch.float32, device=self.device)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(self.guidance_scale), device=self.device, dtype=torch.float32)
-        with self._autocast():
-            out = net(hidden_states=x.to(self.dtype), timestep=t.to(self.dtype), guidance=guidance,
-                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
-        return out.float()
 
 
 class ToyAdapter(FluxFamilyAdapter):
@@ -587,130 +1154,116 @@ class ToyAdapter(FluxFamilyAdapter):
         FluxPipeline.save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-class FluxAdapter(FluxFamilyAdapter):
-    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
-
-    lora_targets = FLUX_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 512):
-        f = pipe.vae_scale_factor
-        if resolution % (2 * f):
-            raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for FLUX")
-        _freeze_pipeline(pipe, device, dtype)
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
-        self.h = 2 * (resolution // (2 * f))  # latent side before packing
-        self.channels = self.transformer.config.in_channels // 4
-        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
-        self.txt_ids = None
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
-                                                               max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    def noise(self, n, generator=None):
-        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
-        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
-
-    def sigmas(self, num_steps):
-        c = self.pipe.scheduler.config
-        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
-                           c.max_shift)
-
-    @torch.no_grad()
-    def decode(self, x):
-        x = self.pipe._unpack_latents(x.float(), self.resolution, self.resolution, self.pipe.vae_scale_factor)
-        return _vae_decode(self.vae, x)
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+def toy_eval_prompts(pairs=None) -> list[str]:
+    return [toy_prompt(c, s) for c, s in (pairs or TOY_HELD_OUT)]
 
 
-class SD3Adapter:
-    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch,
-    as the pipeline does), static shift 3, timesteps 1000 t."""
-
-    lora_targets = SD3_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 256):
-        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if resolution % f:
-            raise ValueError(f"--resolution {resolution} must be a multiple of {f} for SD3")
-        _freeze_pipeline(pipe, device, dtype)
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
-        self.h = resolution // pipe.vae_scale_factor
-        self.channels = self.transformer.config.in_channels
-        self.negative = None
-
-    def _encode(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        if self.negative is None and self.guidance_scale > 1:
-            self.negative = self._encode([""])
-        return self._encode(prompts)
-
-    def noise(self, n, generator=None):
-        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
-
-    def sigmas(self, num_steps):
-        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
-
-    def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
-        cfg = self.guidance_scale > 1
-        if cfg:  # [uncond, cond] in one batch, like the pipeline
-            x = torch.cat([x, x])
-            t = torch.cat([t, t])
-            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
-            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
-        ctx = torch.autocast("cuda", dtype=self.dtype) if self.device.type == "cuda" else contextlib.nullcontext()
-        with ctx:
-            out = net(hidden_states=x.to(self.dtype), timestep=(t * 1000).to(self.dtype), encoder_hidden_states=embeds,
-                      pooled_projections=pooled, return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
-
-    @torch.no_grad()
-    def decode(self, x):
-        return _vae_decode(self.vae, x.float())
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+@torch.no_grad()
+def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234):
+    prompts = [p for p in toy_eval_prompts(pairs) for _ in range(per_pair)]
+    cond = adapter.encode(prompts)
+    x = sample_ode(adapter, net, cond, adapter.noise(len(prompts), make_generator(seed)), adapter.sigmas(steps))
+    imgs = adapter.decode(x)
+    return toy_reward(imgs, prompts).mean().item(), toy_accuracy(imgs, prompts).mean().item(), imgs
 
 
-def _freeze_pipeline(pipe, device, dtype):
-    """Frozen text encoders and transformer in `dtype` on `device`; the VAE stays in float32."""
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            module.requires_grad_(False).eval().to(device)
-            want = torch.float32 if name == "vae" else dtype
-            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
-                module.to(dtype=want)
+def pretrain_toy(argv=None):
+    """Pre-trains the toy model with the rectified-flow loss on renders of the seen (colour, shape) pairs
+    and saves it to assets/toy (`python common.py pretrain-toy --help`)."""
+    p = argparse.ArgumentParser(prog="python common.py pretrain-toy", description=pretrain_toy.__doc__)
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine decay over them)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--lr", type=float, default=1.5e-3, help="AdamW peak learning rate (cosine decay, 100 warm-up)")
+    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (warmed up from 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--out", default=str(ASSETS / "toy"), help="output folder")
+    p.add_argument("--save-at", default="", help="comma-separated extra steps to save at, into OUT-stepN")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    seed_everything(a.seed)
+    from tqdm import tqdm
+    transformer, text_encoder = build_toy_modules(a.seed)
+    text_encoder.requires_grad_(True)
+    adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))
+    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    ema = [q.detach().clone() for q in params]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
+    warmup_cosine = lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps))  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+    seen = sorted(TOY_SEEN)
+    rng = np.random.default_rng(a.seed)
+    save_at = {int(s) for s in a.save_at.split(",") if s}
+
+    def save(folder):
+        backup = [q.detach().clone() for q in params]
+        with torch.no_grad():
+            for q, e in zip(params, ema):
+                q.copy_(e)
+        transformer.save_pretrained(Path(folder) / "transformer")
+        text_encoder.save_pretrained(Path(folder) / "text_encoder")
+        adapter.text_encoder.eval()
+        r_seen = toy_quick_eval(adapter, transformer, seen)[:2]
+        r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)[:2]
+        print(f"saved {folder}: reward/accuracy seen {r_seen[0]:.3f}/{r_seen[1]:.3f}, "
+              f"held-out {r_held[0]:.3f}/{r_held[1]:.3f}", flush=True)
+        with torch.no_grad():
+            for q, b in zip(params, backup):
+                q.copy_(b)
+
+    bar = tqdm(range(a.steps), desc="pretrain-toy", mininterval=5)
+    for step in bar:
+        text_encoder.train()
+        idx = rng.integers(len(seen), size=a.batch_size)
+        halves = rng.uniform(*TOY_HALF_SIZE, size=a.batch_size)
+        imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
+        x0 = toy_pack(imgs)
+        ids, mask = adapter.tokenizer([toy_prompt(*seen[i]) for i in idx])
+        out = text_encoder(input_ids=ids, attention_mask=mask)
+        cond = {"prompt_embeds": out.last_hidden_state, "pooled": out.pooler_output}
+        t = torch.sigmoid(torch.randn(a.batch_size))  # logit-normal times, as SD3 pre-training
+        eps = torch.randn_like(x0)
+        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * eps
+        loss = F.mse_loss(adapter.velocity(transformer, xt, t, cond), eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        decay = min(a.ema, (1 + step) / (10 + step))  # warm-up, so the random init washes out of the EMA
+        with torch.no_grad():
+            for q, e in zip(params, ema):
+                e.lerp_(q, 1 - decay)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step + 1 in save_at:
+            save(f"{a.out}-step{step + 1}")
+    save(a.out)
 
 
-def _vae_decode(vae, latents):
-    """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
-    latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-    return (images.float() / 2 + 0.5).clamp(0, 1)
-
-
+# =============================================================================================
+# Appendix B. Tiny offline pipelines: the real classes at a few thousand parameters, random weights
+# =============================================================================================
 # Tiny random-weight versions of the real pipelines, built offline: every class is the real one, the
 # tokenizers are built in code from an in-memory vocabulary. Tests use them to check the full-scale path.
+
+# --model tiny-flux / tiny-sd3 run a trainer's flux / sd3 settings at these smoke-run sizes (`model_overrides`);
+# a trainer adds what its method needs to fit them under the "tiny" key of its MODEL_DEFAULTS.
+TINY_DEFAULTS = {
+    "reward": "jpeg",
+    "iterations": 2,
+    "eval_every": 1,
+    "eval_images": 4,
+    "eval_steps": 4,
+    "resolution": 32,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "micro_batch": 2,
+    "sample_steps": 4,
+    "lora_rank": 4,
+    "lora_alpha": 8,
+    "ema": False,
+    "gradient_checkpointing": False,
+}
 _TINY_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man woman "
                "person astronaut red blue green yellow black white car house tree flower city street sky night "
                "sunset beach forest mountain river table high quality detailed riding sitting standing").split()
@@ -822,511 +1375,6 @@ def _eval_all(pipe):
         if isinstance(m, torch.nn.Module):
             m.eval()
     return pipe
-
-# =============================================================================================
-# 5. Prompts
-# =============================================================================================
-def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
-    """Returns (train, eval) lists of records {"prompt": str, ...metadata}. `path` is a text file (one prompt a
-    line) or a .jsonl file (one object a line with a "prompt" key and optional "split": "train"/"eval").
-    Without a "split" field, a fixed every-k-th line goes to eval. With no path: the toy grammar (train and
-    evaluate on the held-out pairs) for the toy model, else assets/prompts.txt."""
-    if path is None:
-        if model == "toy":
-            recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
-            return recs, recs
-        path = str(ASSETS / "prompts.txt")
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt "
-                                f"a line) or .jsonl (objects with a 'prompt' key) file")
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    if p.suffix == ".jsonl":
-        recs = []
-        for i, ln in enumerate(lines):
-            try:
-                rec = json.loads(ln)
-                assert isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
-            except Exception:
-                raise ValueError(f"{path}:{i + 1} is not a JSON object with a string 'prompt' key") from None
-            recs.append(rec)
-    else:
-        recs = [{"prompt": ln.strip()} for ln in lines]
-    if not recs:
-        raise ValueError(f"prompt file {path!r} holds no prompts")
-    if any("split" in r for r in recs):
-        train = [r for r in recs if r.get("split", "train") == "train"]
-        evals = [r for r in recs if r.get("split") == "eval"]
-    else:
-        k = max(2, round(1 / eval_fraction))
-        evals = recs[::k] if len(recs) >= 2 else recs
-        train = [r for i, r in enumerate(recs) if i % k] or recs
-    return train, evals or train[:1]
-
-
-def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
-    """n records for one iteration: without replacement when the set is large enough."""
-    if n <= len(records):
-        idx = torch.randperm(len(records), generator=generator)[:n]
-    else:
-        idx = torch.randint(len(records), (n,), generator=generator)
-    return [records[i] for i in idx.tolist()]
-
-
-# =============================================================================================
-# 6. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts) -> (N,) float32
-# =============================================================================================
-class ToyReward:
-    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts):
-        return toy_reward(images, prompts).to(self.device)
-
-
-class JpegCompressibility:
-    """Minus the JPEG size in kB at quality 95 (DDPO's compressibility task): a simple, model-free reward."""
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts):
-        from PIL import Image
-        arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-        sizes = []
-        for a in arr:
-            buf = io.BytesIO()
-            Image.fromarray(a).save(buf, format="JPEG", quality=95)
-            sizes.append(-buf.tell() / 1000)
-        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
-
-
-def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
-    """CLIPImageProcessor's steps on [0, 1] tensors, on their device: bicubic antialiased resize of the
-    shortest side, centre crop (floor offsets, as transformers), normalise by image_mean / image_std."""
-    def hw(size):
-        if isinstance(size, int):
-            return size, size
-        if size.get("height") is not None:
-            return size["height"], size["width"]
-        return size["shortest_edge"]
-
-    x = images.float()
-    size = hw(config["size"])
-    if isinstance(size, int):  # shortest side -> size, long side truncated
-        h, w = x.shape[-2:]
-        size = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
-    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    (ch, cw), (h, w) = hw(config["crop_size"]), x.shape[-2:]
-    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
-    mean = torch.tensor(config["image_mean"], device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(config["image_std"], device=x.device).view(1, -1, 1, 1)
-    return (x - mean) / std
-
-
-class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
-
-    divisor = 1.0
-
-    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
-        from transformers import CLIPModel, CLIPProcessor
-        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
-        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
-        self.model = CLIPModel.from_pretrained(model_id, dtype=dtype).eval().requires_grad_(False).to(device)
-        self.device, self.dtype = torch.device(device), dtype
-        self.max_length = self.model.config.text_config.max_position_embeddings
-
-    @staticmethod
-    def _embedding(out) -> torch.Tensor:
-        # transformers 5 returns an output object whose pooler_output holds the projected embedding
-        # (what CLIPModel.forward uses for logits_per_image); transformers 4 returns that tensor itself.
-        return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-    @torch.no_grad()
-    def __call__(self, images, prompts):
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
-        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
-                              return_tensors="pt").to(self.device)
-        img = self._embedding(self.model.get_image_features(pixel_values=pixels)).float()
-        txt = self._embedding(self.model.get_text_features(**text)).float()
-        cos = F.cosine_similarity(img, txt, dim=-1)
-        return (self.model.logit_scale.float().exp() * cos / self.divisor).float()
-
-
-class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (a CLIP-H fine-tuned on human preferences): its logit 100 cos / 26, as Flow-GRPO scales
-    it (typical values 0.8-0.9). The processor comes from the CLIP-H repository it was fine-tuned from."""
-
-    divisor = 26.0
-
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                 device="cpu", dtype=torch.float32):
-        super().__init__(model_id, processor_id, device, dtype)
-
-
-class CLIPScore(_CLIPSimilarity):
-    """CLIP ViT-L/14 logit 100 cos / 30, Flow-GRPO's clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
-
-    divisor = 30.0
-
-    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
-        super().__init__(model_id, None, device, dtype)
-
-
-REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore}
-
-
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1."""
-    out = []
-    for part in [p.strip() for p in (spec or "").split(",")]:
-        name, _, w = part.partition(":")
-        name = name.strip().lower()
-        if name not in REWARDS or name in dict(out):
-            raise ValueError(f"unknown or repeated reward {name!r} in --reward {spec!r}; known rewards: {', '.join(REWARDS)}")
-        try:
-            weight = float(w) if w else 1.0
-            assert math.isfinite(weight)
-            out.append((name, weight))
-        except (ValueError, AssertionError):
-            raise ValueError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number") from None
-    return out
-
-
-class WeightedReward:
-    """A weighted sum of scorers. __call__ returns (total (N,), {name: (N,)})."""
-
-    def __init__(self, spec: str, device="cpu"):
-        self.terms = [(name, w, REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
-        self.calls = 0  # images scored so far
-
-    @torch.no_grad()
-    def __call__(self, images, prompts):
-        self.calls += len(images)
-        parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
-        total = sum(w * parts[name] for name, w, _ in self.terms)
-        return total, parts
-
-
-def build_reward(spec: str, device="cpu") -> WeightedReward:
-    return WeightedReward(spec, device)
-
-
-# =============================================================================================
-# 7. Training utilities: LoRA, EMA, logging, image grids, checkpoints
-# =============================================================================================
-def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
-    """Freezes the transformer and adds a peft LoRA (diffusers' integration, so the adapter can be disabled
-    for the reference policy and saved in diffusers' format). rank 0 = full fine-tuning. Returns the
-    trainable parameters (kept in float32 master precision)."""
-    if rank <= 0:
-        transformer.requires_grad_(True)
-        return [p for p in transformer.parameters()]
-    from peft import LoraConfig
-    transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    return params
-
-
-@contextlib.contextmanager
-def lora_disabled(transformer: torch.nn.Module):
-    """The reference policy under LoRA: the same network with its adapter switched off."""
-    transformer.disable_adapters()
-    try:
-        yield transformer
-    finally:
-        transformer.enable_adapters()
-
-
-class EMA:
-    """Exponential moving average of the trainable parameters, Flow-GRPO's schedule: decay
-    min((1 + n) / (10 + n), max_decay) at the n-th update, updated every `every` optimizer steps."""
-
-    def __init__(self, params, max_decay: float = 0.9, every: int = 8):
-        self.params, self.max_decay, self.every = list(params), max_decay, every
-        self.shadow = [p.detach().clone() for p in self.params]
-        self.num_updates = 0
-
-    @torch.no_grad()
-    def step(self, optimizer_step: int):
-        if optimizer_step % self.every:
-            return
-        decay = min((1 + self.num_updates) / (10 + self.num_updates), self.max_decay)
-        for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - decay)
-        self.num_updates += 1
-
-    @contextlib.contextmanager
-    def swapped_in(self):
-        """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
-
-    def state_dict(self):
-        return {"shadow": self.shadow, "num_updates": self.num_updates}
-
-    def load_state_dict(self, sd):
-        for s, v in zip(self.shadow, sd["shadow"]):
-            s.copy_(v)
-        self.num_updates = sd["num_updates"]
-
-
-class Logger:
-    """One JSON line per iteration in metrics.jsonl, one line on stdout, optional wandb (main process only)."""
-
-    def __init__(self, run_dir: Path, is_main: bool, args=None, use_wandb: bool = False, start_iteration: int = 0):
-        self.is_main, self.path, self.wandb = is_main, Path(run_dir) / "metrics.jsonl", None
-        if not is_main:
-            return
-        if self.path.exists():  # a resumed run: keep the lines up to the checkpoint, drop later ones
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["iteration"] < start_iteration]
-            write_atomic(self.path, "".join(ln + "\n" for ln in kept))
-        if use_wandb:
-            import wandb
-            self.wandb = wandb.init(project="flow-rl", config=dataclasses.asdict(args) if args else None,
-                                    name=Path(run_dir).name)
-
-    def log(self, metrics: dict):
-        if not self.is_main:
-            return
-        metrics = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "time_s"]
-        from tqdm import tqdm
-        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
-
-
-def write_atomic(path: Path, text: str):
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def save_image_grid(images: torch.Tensor, path: Path, nrow: int | None = None):
-    """Saves (N, 3, H, W) images in [0, 1] as one PNG grid (small images are upscaled to be visible)."""
-    from PIL import Image
-    n, _, h, w = images.shape
-    nrow = nrow or math.ceil(math.sqrt(n))
-    ncol = math.ceil(n / nrow)
-    grid = torch.zeros(3, ncol * (h + 2), nrow * (w + 2))
-    for i, im in enumerate(images.float().cpu()):
-        r, c = divmod(i, nrow)
-        grid[:, r * (h + 2) + 1: r * (h + 2) + 1 + h, c * (w + 2) + 1: c * (w + 2) + 1 + w] = im
-    img = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-    scale = max(1, 128 // h)
-    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
-
-
-def make_run_dir(output_dir: str | None, method: str, model: str, resume: str | None) -> Path:
-    """The run folder. A new run never writes into a folder that already holds a run."""
-    if output_dir is None:
-        output_dir = f"runs/{method}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(output_dir)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, "
-                              f"or a new --output-dir")
-    return run_dir
-
-
-def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float = 0.0) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN atomically (a temp folder renamed into place):
-      - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
-        or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
-        on, these hold the EMA weights;
-      - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds,
-        for --resume."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"iter_{iteration:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
-    transformer = adapter.transformer
-    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-        if lora:
-            from peft.utils import get_peft_model_state_dict
-            adapter.save_lora(tmp, get_peft_model_state_dict(transformer))
-        else:
-            transformer.save_pretrained(tmp / "transformer")
-    torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
-                "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None, "elapsed": elapsed},
-               tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_atomic(ckpt_root / "latest", final.name)
-    return final
-
-
-def find_checkpoint(path: str) -> Path:
-    """--resume accepts a checkpoint folder or a run folder (then its latest checkpoint)."""
-    p = Path(path)
-    if (p / "checkpoints" / "latest").is_file():
-        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
-    if not (p / "training_state.pt").is_file():
-        raise FileNotFoundError(f"--resume {path}: no training_state.pt there; pass a run folder or one of its "
-                                f"checkpoints/iter_* folders")
-    return p
-
-
-def load_checkpoint(path: str, params: list, optimizer, ema: EMA | None) -> tuple[int, float]:
-    """Restores the trainable parameters, optimizer and EMA; returns (iteration to continue from, elapsed s)."""
-    ckpt = find_checkpoint(path)
-    try:
-        state = torch.load(ckpt / "training_state.pt", map_location="cpu", weights_only=False)
-        saved = state["params"]
-    except Exception as e:
-        raise RuntimeError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                           f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
-    if len(saved) != len(params) or any(s.shape != p.shape for s, p in zip(saved, params)):
-        raise ValueError(f"checkpoint {ckpt} does not match this model: it holds {len(saved)} trainable tensors, "
-                         f"the model {len(params)}; resume with the same --model and LoRA settings")
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    optimizer.load_state_dict(state["optimizer"])
-    if ema is not None and state.get("ema"):
-        ema.load_state_dict(state["ema"])
-    return state["iteration"], state.get("elapsed", 0.0)
-
-
-# =============================================================================================
-# 8. Evaluation and the toy model's pre-training
-# =============================================================================================
-@torch.no_grad()
-def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Deterministic Euler sampler over the grid `sigmas`: the evaluation path (noise level 0)."""
-    for k in range(len(sigmas) - 1):
-        x = ode_step(x, adapter.velocity(net, x, sigmas[k], cond), sigmas[k], sigmas[k + 1])
-    return x
-
-
-@torch.no_grad()
-def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
-             seed: int = 0, batch_size: int = 16, accuracy_fn=None):
-    """Held-out evaluation with the deterministic ODE sampler. Image i uses prompt i mod len(records) and
-    initial noise seeded by (seed, i), so the evaluation is identical for any number of ranks or batch
-    size. Ranks split the images. Returns ({"eval_reward", ["eval_accuracy"]}, this rank's images)."""
-    sigmas = adapter.sigmas(steps)
-    mine = list(range(runtime.rank, num_images, runtime.world_size))
-    sums = torch.zeros(3, dtype=torch.float64)
-    images = []
-    for i in range(0, len(mine), batch_size):
-        chunk = mine[i: i + batch_size]
-        prompts = [records[j % len(records)]["prompt"] for j in chunk]
-        x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
-        imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
-        sums[0] += reward_fn(imgs, prompts)[0].sum().item()
-        sums[1] += accuracy_fn(imgs, prompts).sum().item() if accuracy_fn else 0.0
-        sums[2] += len(chunk)
-        images.append(imgs.cpu())
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    out = {"eval_reward": (sums[0] / sums[2]).item()}
-    if accuracy_fn is not None:
-        out["eval_accuracy"] = (sums[1] / sums[2]).item()
-    return out, torch.cat(images) if images else torch.zeros(0)
-
-
-def toy_eval_prompts(pairs=None) -> list[str]:
-    return [toy_prompt(c, s) for c, s in (pairs or TOY_HELD_OUT)]
-
-
-@torch.no_grad()
-def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234):
-    prompts = [p for p in toy_eval_prompts(pairs) for _ in range(per_pair)]
-    cond = adapter.encode(prompts)
-    x = sample_ode(adapter, net, cond, adapter.noise(len(prompts), make_generator(seed)), adapter.sigmas(steps))
-    imgs = adapter.decode(x)
-    return toy_reward(imgs, prompts).mean().item(), toy_accuracy(imgs, prompts).mean().item(), imgs
-
-
-def pretrain_toy(argv=None):
-    """Pre-trains the toy model with the rectified-flow loss on renders of the seen (colour, shape) pairs
-    and saves it to assets/toy (`python common.py pretrain-toy --help`)."""
-    p = argparse.ArgumentParser(prog="python common.py pretrain-toy", description=pretrain_toy.__doc__)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine decay over them)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step")
-    p.add_argument("--lr", type=float, default=1.5e-3, help="AdamW peak learning rate (cosine decay, 100 warm-up)")
-    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (warmed up from 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads")
-    p.add_argument("--out", default=str(ASSETS / "toy"), help="output folder")
-    p.add_argument("--save-at", default="", help="comma-separated extra steps to save at, into OUT-stepN")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    seed_everything(a.seed)
-    from tqdm import tqdm
-    transformer, text_encoder = build_toy_modules(a.seed)
-    text_encoder.requires_grad_(True)
-    adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))
-    params = list(transformer.parameters()) + list(text_encoder.parameters())
-    ema = [q.detach().clone() for q in params]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps)))
-    seen = sorted(TOY_SEEN)
-    rng = np.random.default_rng(a.seed)
-    save_at = {int(s) for s in a.save_at.split(",") if s}
-
-    def save(folder):
-        backup = [q.detach().clone() for q in params]
-        with torch.no_grad():
-            for q, e in zip(params, ema):
-                q.copy_(e)
-        transformer.save_pretrained(Path(folder) / "transformer")
-        text_encoder.save_pretrained(Path(folder) / "text_encoder")
-        adapter.text_encoder.eval()
-        r_seen = toy_quick_eval(adapter, transformer, seen)[:2]
-        r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)[:2]
-        print(f"saved {folder}: reward/accuracy seen {r_seen[0]:.3f}/{r_seen[1]:.3f}, "
-              f"held-out {r_held[0]:.3f}/{r_held[1]:.3f}", flush=True)
-        with torch.no_grad():
-            for q, b in zip(params, backup):
-                q.copy_(b)
-
-    bar = tqdm(range(a.steps), desc="pretrain-toy", mininterval=5)
-    for step in bar:
-        text_encoder.train()
-        idx = rng.integers(len(seen), size=a.batch_size)
-        halves = rng.uniform(*TOY_HALF_SIZE, size=a.batch_size)
-        imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
-        x0 = toy_pack(imgs)
-        ids, mask = adapter.tokenizer([toy_prompt(*seen[i]) for i in idx])
-        out = text_encoder(input_ids=ids, attention_mask=mask)
-        cond = {"prompt_embeds": out.last_hidden_state, "pooled": out.pooler_output}
-        t = torch.sigmoid(torch.randn(a.batch_size))  # logit-normal times, as SD3 pre-training
-        eps = torch.randn_like(x0)
-        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * eps
-        loss = F.mse_loss(adapter.velocity(transformer, xt, t, cond), eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        decay = min(a.ema, (1 + step) / (10 + step))  # warm-up, so the random init washes out of the EMA
-        with torch.no_grad():
-            for q, e in zip(params, ema):
-                e.lerp_(q, 1 - decay)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step + 1 in save_at:
-            save(f"{a.out}-step{step + 1}")
-    save(a.out)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,24 @@ Simplifications / readings (vs the paper and its official code):
   1. Each rank owns whole groups (all G samples of its prompts): the advantage's group mean needs no
      gather. The std is the group's own (`--no-global-std`) or that of all rewards of the iteration,
      gathered across ranks (`--global-std`, the official default).
-  2. The KL is the exact KL between the two step Gaussians (Flow-GRPO, the KL term of its objective), element-averaged like the
-     log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides by
-     2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
+  2. The KL is the exact KL between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
+     like the log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides
+     by 2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
   3. The update shuffles whole rollout micro-batches, not single samples: a training micro-batch then
      holds exactly the samples it was generated with, so the first update is bitwise on-policy (ratio 1).
   4. Samples with zero advantage are kept (the SD3 scripts drop them); their loss is zero anyway.
   5. `--updates-per-rollout` optimizer steps per iteration (official: 2, via gradient accumulation).
 
+Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
+name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
+(README, Toy recipes).
+
 Run:
   python flow_grpo.py                                   # toy model, CPU, a few minutes
   python flow_grpo.py --model sd3 --reward pickscore    # one GPU
   torchrun --nproc_per_node=8 flow_grpo.py --model flux --reward pickscore
-  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 --prompts-per-step 64
+  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 \\
+      --prompts-per-step 64
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps.
@@ -36,76 +41,97 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange
 from tqdm import tqdm
 
 import common
 from common import field
 
 
-# ---- 0. Config ----
+# ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
-    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
-    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
+                                      "assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")
-    iterations: int | None = field(None, "training iterations (rollout + update)")
-    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; 0 = no limit")
+    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
+                                    "0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run folder or checkpoint folder to continue from")
-    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int = field(20, "ODE steps at evaluation")
     save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
     wandb: bool = field(False, "also log to Weights & Biases")
     threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
-    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
-    group_size: int | None = field(None, "samples per prompt (G)")
-    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
-    lr: float | None = field(None, "AdamW learning rate")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float | None = field(None, "LoRA alpha")
-    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float = field(0.0, "LoRA alpha")
+    ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     # <<< shared: args
     # --- Flow-GRPO ---
-    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
-    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    iterations: int = field(30, "training iterations (rollout + update)")
+    prompts_per_step: int = field(16, "prompts per iteration, over all ranks")
+    group_size: int = field(8, "samples per prompt (G)")
+    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike")
+    lr: float = field(3e-4, "AdamW learning rate")
+    sample_steps: int = field(10, "denoising steps T of a training rollout")
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))")
     timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
-    updates_per_rollout: int = field(2, "optimizer steps per iteration (the rollout is split into this many minibatches)")
+    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
-    beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy")
-    global_std: bool = field(True, "normalise advantages by the std of all rewards of the iteration (else the group's)")
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
+    global_std: bool = field(True, "advantages divided by the std of all the iteration's rewards (else the group's)")
 
 
-# Per-model defaults: the paper's configs for sd3 / flux (PAPERS §2.3), a calibrated CPU run for toy.
+# Full scale: what differs from the toy defaults above, from [Flow-GRPO App. B.3] and the official configs (beta:
+# reading 2; fewer sampling than evaluation steps: [Flow-GRPO §4, Denoising Reduction]). tiny-* shrink these.
 MODEL_DEFAULTS = {
-    "toy": dict(reward="toy", iterations=30, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
-                group_size=8, micro_batch=32, sample_steps=10, noise_level=0.7, lr=3e-4, lora_rank=0,
-                lora_alpha=0, beta=0.03, ema=False, gradient_checkpointing=False),
-    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                      group_size=2, micro_batch=2, sample_steps=3, noise_level=0.9, lr=3e-4, lora_rank=4,
-                      lora_alpha=8, beta=0.0, ema=False, gradient_checkpointing=False, resolution=32,
-                      guidance_scale=3.5),
-    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                     group_size=2, micro_batch=2, sample_steps=3, noise_level=0.7, lr=3e-4, lora_rank=4,
-                     lora_alpha=8, beta=0.001, ema=False, gradient_checkpointing=False, resolution=32,
-                     guidance_scale=4.5),
-    "sd3": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=40,
-                prompts_per_step=48, group_size=24, micro_batch=8, sample_steps=10, noise_level=0.7, lr=3e-4,
-                lora_rank=32, lora_alpha=64, beta=0.001, ema=True, gradient_checkpointing=True, resolution=512,
-                guidance_scale=4.5),
-    "flux": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=28,
-                 prompts_per_step=48, group_size=24, micro_batch=4, sample_steps=6, noise_level=0.9, lr=3e-4,
-                 lora_rank=64, lora_alpha=128, beta=0.0, ema=True, gradient_checkpointing=True, resolution=512,
-                 guidance_scale=3.5),
+    "sd3": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 40,
+        "resolution": 512,
+        "guidance_scale": 4.5,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 1000,
+        "prompts_per_step": 48,
+        "group_size": 24,
+        "micro_batch": 8,
+        "beta": 0.001,
+    },
+    "flux": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 28,
+        "resolution": 512,
+        "guidance_scale": 3.5,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 1000,
+        "prompts_per_step": 48,
+        "group_size": 24,
+        "micro_batch": 4,
+        "sample_steps": 6,
+        "noise_level": 0.9,
+        "beta": 0.0,
+    },
 }
 
 
@@ -123,14 +149,16 @@ def main(args: Args) -> dict:
     N = B * G                                                # samples per rank per iteration
     M = args.micro_batch
     if N % M:
-        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank (prompts-per-step/ranks x group-size)")
+        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank "
+                         f"(prompts-per-step/ranks x group-size)")
     if (N // M) % args.updates_per_rollout:
         raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
                          f"per rank; change it or --micro-batch")
     T = args.sample_steps
-    T_train = int(T * args.timestep_fraction)                # Flow-GRPO trains the first int(0.99 T) steps
+    T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
     common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} "
-                  f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+                  f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, "
+                  f"trained {T_train}")
 
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
@@ -151,10 +179,11 @@ def main(args: Args) -> dict:
     if start > args.iterations:
         raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    config = dataclasses.asdict(args)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+        (run_dir / "args.json").write_text(json.dumps(config, indent=2))
+    logger = common.Logger(run_dir, rt.is_main, start, wandb_config=config if args.wandb else None)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
     # <<< shared: setup-run
@@ -165,7 +194,7 @@ def main(args: Args) -> dict:
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
-        return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
+        return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
 
     # >>> shared: eval
     def run_eval(it):
@@ -192,13 +221,16 @@ def main(args: Args) -> dict:
             break
         # <<< shared: eval
 
-        # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad ----
+        # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
+        # >>> shared: iteration-start
         tic = time.time()
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
-        gen = common.make_generator(args.seed, rt.rank, it)
+        gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B] for _ in range(G)]  # (N,) prompt-major
-        cond = common.cond_repeat(adapter.encode([r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]), G)
+        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        # <<< shared: iteration-start
+        prompts = [p for p in texts for _ in range(G)]       # (N,) prompt-major: a group is G consecutive rows
+        cond = common.cond_repeat(adapter.encode(texts), G)
         latents, log_probs = [], []                          # (N, T+1, ...) and (N, T)
         transformer.eval()
         with torch.no_grad():
@@ -208,31 +240,34 @@ def main(args: Args) -> dict:
                 zs, lps = [z], []
                 for k in range(T):
                     v = adapter.velocity(net, z, sigmas[k], c)
-                    z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap, generator=gen)
-                    zs.append(z), lps.append(lp)
-                latents.append(torch.stack(zs, 1)), log_probs.append(torch.stack(lps, 1))
+                    z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
+                                                  generator=gen)
+                    zs.append(z)
+                    lps.append(lp)
+                latents.append(torch.stack(zs, 1))
+                log_probs.append(torch.stack(lps, 1))
         latents, log_probs = torch.cat(latents), torch.cat(log_probs)
         t_rollout = time.time() - tic
 
-        # ---- 3b. Rewards -> group-relative advantages (Flow-GRPO, group-relative advantage) ----
+        # ---- 3b. Rewards -> group-relative advantages [Flow-GRPO Eq. 4] ----
         tic = time.time()
         with torch.no_grad():
             images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
             rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
         rewards = rewards.to(rt.device).float()
-        grouped = rewards.view(B, G)
+        grouped = rearrange(rewards, "(b g) -> b g", g=G)
         mean = grouped.mean(1, keepdim=True)
         if args.global_std:
             std = common.all_gather_cat(rewards).std()
         else:
             std = grouped.std(1, keepdim=True)
-        advantages = ((grouped - mean) / (std + 1e-4)).view(N).clamp(-args.adv_clip, args.adv_clip)
+        advantages = rearrange((grouped - mean) / (std + 1e-4), "b g -> (b g)").clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
-        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO, GRPO objective) ----
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (reading 3)
+        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
         per_update = (N // M) // args.updates_per_rollout
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
         for u in range(args.updates_per_rollout):
@@ -241,9 +276,9 @@ def main(args: Args) -> dict:
                 idx = slice(mb * M, (mb + 1) * M)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for k in range(T_train):
-                    last = j == len(chunk) - 1 and k == T_train - 1
+                    sync = j == len(chunk) - 1 and k == T_train - 1  # the update's last backward all-reduces
                     z, z_next = latents[idx, k], latents[idx, k + 1]
-                    with common.no_sync(net, not last):
+                    with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
                         _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
                                                            next_x=z_next)
@@ -253,12 +288,12 @@ def main(args: Args) -> dict:
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
                         (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
-                    stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
-                    stats["kl"].append(kl.mean().item())
-                    stats["ratio_dev"].append((ratio - 1).abs().max().item())
-                    stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
-                    stats["approx_kl"].append(0.5 * ((lp - log_probs[idx, k]) ** 2).mean().item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta) = 0
+                    step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
+                            "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
+                            "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}
+                    for name, value in step.items():
+                        stats[name].append(value.item())
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
                 metrics["kl_first_update"] = max(stats["kl"])
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())

@@ -4,7 +4,7 @@ anchor) and differ only by the noise of ONE SDE step at step k (Singular Stochas
 difference between branches is caused by that step's noise alone. Each branch is then finished by the ODE at
 several step strides lambda (granularities) and scored at each; the per-(k, lambda) group z-scores are summed
 over lambda (Multi-Granularity Advantage Integration, MGAI). The policy is the Flow-GRPO step Gaussian of that
-single step; one PPO-clipped optimizer step per optimised k, no KL.
+single step [Flow-GRPO Eq. 9]; one PPO-clipped optimizer step per optimised k, no KL.
 
 Differences from flow_grpo.py:
   1. Rollout: one initial noise per prompt, an ODE anchor over the T-step grid, and for each k in M one SDE step
@@ -17,39 +17,42 @@ Differences from flow_grpo.py:
      covers only the branches of that k, and one forward per prompt serves all G branches (they share z_k).
   5. No KL by default (--beta 0); the training grid is u = linspace(1, 0, T+1) with a static shift (--grid-shift).
   6. Flags: --granularities, --sde-steps, --grid-shift added; --timestep-fraction, --updates-per-rollout,
-     --global-std removed. Logs the function evaluations of each stage and the method's diagnostics.
+     --global-std removed. Logs each stage's function evaluations and the method's diagnostics.
 
 Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO, on ambiguous points):
-  1. Lambda: a flag. Default {1, 2, 3} at full scale, as the paper's headline rows (Table 1 = the {1,2,3} row
-     of the Lambda ablation), and on the toy; the released scripts use {1, 2} (the tiny test models use it).
+  1. Lambda: a flag. Default {1, 2, 3}, as the paper's headline rows (Table 1 = the {1,2,3} row of the Lambda
+     ablation); the released scripts use {1, 2}.
   2. M = the |M| highest-noise steps k = 0 .. |M|-1 (official indices 0..7 for T = 16; the paper counts the same
      steps down from T). Default |M| = T/2 (--sde-steps).
   3. Continuation grid for (k, lambda): t[0..k+1] + t[k+2::lambda] (official). If its last point has t > 0,
-     the image is the x0-jump x0_hat = z - t v from that point, as the issue and the lead specify. The
-     official loop stops one evaluation earlier there (it never evaluates the last point of a strided grid
-     that ends above 0 and returns the x0-prediction of the point before); on T = 16, Lambda = {1, 2} that is
-     4 evaluations per branch out of 144.
+     the image is the x0-jump x0_hat = z - t v from there, which completes the Euler steps to t = 0. The
+     official loop returns the x0-prediction of the point before instead, one evaluation fewer (4 of 144 per
+     branch at T = 16, Lambda = {1, 2}).
   4. Branch step: the mean mu(z_k, v_theta(z_k)) is the same for every branch, and the anchor has already
      evaluated v_theta(z_k), so branching costs no transformer evaluation (the official rollout runs the same
      batch-1 forward G times). The update likewise runs one forward per prompt, like the official batch-1 one.
-  5. Continuations share work the official code repeats: every stride takes the same ordinary step
-     t_{k+1} -> t_{k+2} and evaluates the same v_theta(z_{k+2}), so those two evaluations are made once per
-     branch. All prompts, k, branches and strides are batched together, each row with its own t.
+  5. Every stride takes the same step t_{k+1} -> t_{k+2} and evaluates the same v_theta(z_{k+2}); we make those
+     two evaluations once per branch, where the official code repeats them: 151 instead of 183 continuation
+     evaluations per branch at T = 16, Lambda = {1, 2, 3}, 31 instead of 47 on the toy's T = 8.
   6. Grid: static shift 3 on u = linspace(1, 0, T+1) for flux and sd3, as the official code does for FLUX
-     (no dynamic shift); the toy uses shift 1, which is the toy adapter's own grid. Evaluation keeps the
-     model's own sampler (the shared evaluation block), as the paper evaluates with the stock FLUX pipeline.
+     (no dynamic shift); shift 1 on the toy, its adapter's own grid. Evaluation keeps the model's own sampler,
+     as the paper evaluates with the stock FLUX pipeline.
   7. Several reward models: each is z-scored on its own and the advantages are summed with the --reward
      weights (official: HPS + CLIP summed with weight 1).
   8. Updates run k = 0, 1, ... in order after all rollouts of the iteration, so only the first update of an
      iteration is exactly on-policy (ratio 1); a step's loss is the mean over all branches of all prompts of
      the rank (official: one prompt per GPU), and DDP averages the ranks.
   9. LoRA by default at full scale. The paper fine-tunes all of FLUX (lr 2e-6, FSDP, fp32 master weights);
-     the shared setup here is DDP over bf16 weights, where full fine-tuning neither fits a 12B model nor keeps
-     lr-2e-6 updates. --lora-rank 0 gives full fine-tuning (the toy default). The LoRA lr 1e-4 is our pick.
+     DDP over bf16 weights neither fits a 12B model nor keeps lr-2e-6 updates. --lora-rank 0 gives full
+     fine-tuning (the toy default). The LoRA lr 1e-4 is our pick.
  10. The official code feeds the transformer timesteps rounded to 1/1000; we pass t as is. The anchor's own
      image is scored for logging only (anchor_reward), as in the official code.
  11. --micro-batch counts rows per forward: prompts in the anchor and in the update (the same chunks, so the
-     first ratio of an iteration is exactly 1), (branch, stride) rows in the continuations.
+     first ratio of an iteration is exactly 1), branches in the continuations.
+
+Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
+name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
+(README, Toy recipes).
 
 Run:
   python g2rpo.py                                       # toy model, CPU, a few minutes
@@ -72,76 +75,97 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange, repeat
 from tqdm import tqdm
 
 import common
 from common import field
 
 
-# ---- 0. Config ----
+# ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
-    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
-    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
+                                      "assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")
-    iterations: int | None = field(None, "training iterations (rollout + update)")
-    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; 0 = no limit")
+    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
+                                    "0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run folder or checkpoint folder to continue from")
-    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int = field(20, "ODE steps at evaluation")
     save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
     wandb: bool = field(False, "also log to Weights & Biases")
     threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
-    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
-    group_size: int | None = field(None, "samples per prompt (G)")
-    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
-    lr: float | None = field(None, "AdamW learning rate")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float | None = field(None, "LoRA alpha")
-    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float = field(0.0, "LoRA alpha")
+    ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     # <<< shared: args
     # --- G2RPO ---
-    sample_steps: int | None = field(None, "denoising steps T of the anchor grid")
-    noise_level: float | None = field(None, "noise level a (eta) of the singular SDE step, g = a sqrt(t / (1 - t))")
-    sde_steps: int | None = field(None, "|M|: the highest-noise steps k = 0..|M|-1 that branch and train (default T/2)")
-    granularities: str | None = field(None, "strides Lambda of the ODE continuations: 1,2,3 (paper) or 1,2 (code)")
-    grid_shift: float | None = field(None, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)")
+    iterations: int = field(30, "training iterations (rollout + update)")
+    prompts_per_step: int = field(8, "prompts per iteration, over all ranks")
+    group_size: int = field(8, "branches per prompt and branched step k (G)")
+    micro_batch: int = field(256, "rows per forward pass: prompts in the anchor and the update, branches in the "
+                                  "continuations")
+    lr: float = field(1e-4, "AdamW learning rate")
+    sample_steps: int = field(8, "denoising steps T of a training rollout")
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    sde_steps: int | None = field(None, "|M|: the highest-noise steps k = 0..|M|-1 that branch and train "
+                                        "(default T/2)")
+    granularities: str = field("1,2,3", "strides Lambda of the ODE continuations: 1,2,3 (paper) or 1,2 (code)")
+    grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]")
-    beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none")
+    beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none")
 
 
-# Per-model defaults: the paper's settings for flux / sd3 (PAPERS §4.2; LoRA, reading 9), a calibrated CPU run for toy.
+# Full scale: what differs from the toy defaults above, from the paper and its official scripts (LoRA: reading 9).
+# tiny-* shrink these.
 MODEL_DEFAULTS = {
-    "toy": dict(reward="toy", iterations=30, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=8,
-                group_size=8, micro_batch=256, sample_steps=8, noise_level=0.7, granularities="1,2,3",
-                grid_shift=1.0, lr=1e-4, lora_rank=0, lora_alpha=0, beta=0.0, ema=False, gradient_checkpointing=False),
-    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                      group_size=2, micro_batch=8, sample_steps=4, noise_level=0.7, granularities="1,2",
-                      grid_shift=3.0, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.0, ema=False,
-                      gradient_checkpointing=False, resolution=32, guidance_scale=3.5),
-    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                     group_size=2, micro_batch=8, sample_steps=4, noise_level=0.7, granularities="1,2",
-                     grid_shift=3.0, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.0, ema=False,
-                     gradient_checkpointing=False, resolution=32, guidance_scale=4.5),
-    "sd3": dict(reward="pickscore", iterations=300, eval_every=30, eval_images=256, eval_steps=40, prompts_per_step=16,
-                group_size=12, micro_batch=8, sample_steps=16, noise_level=0.7, granularities="1,2,3", grid_shift=3.0,
-                lr=1e-4, lora_rank=32, lora_alpha=64, beta=0.0, ema=False, gradient_checkpointing=True,
-                resolution=512, guidance_scale=4.5),
-    "flux": dict(reward="pickscore", iterations=300, eval_every=30, eval_images=256, eval_steps=28, prompts_per_step=16,
-                 group_size=12, micro_batch=8, sample_steps=16, noise_level=0.7, granularities="1,2,3", grid_shift=3.0,
-                 lr=1e-4, lora_rank=64, lora_alpha=128, beta=0.0, ema=False, gradient_checkpointing=True,
-                 resolution=720, guidance_scale=3.5),
+    "sd3": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 40,
+        "resolution": 512,
+        "guidance_scale": 4.5,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "gradient_checkpointing": True,
+        "iterations": 300,
+        "prompts_per_step": 16,
+        "group_size": 12,
+        "micro_batch": 8,
+        "sample_steps": 16,
+        "grid_shift": 3.0,
+    },
+    "flux": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 28,
+        "resolution": 720,
+        "guidance_scale": 3.5,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "gradient_checkpointing": True,
+        "iterations": 300,
+        "prompts_per_step": 16,
+        "group_size": 12,
+        "micro_batch": 8,
+        "sample_steps": 16,
+        "grid_shift": 3.0,
+    },
 }
 
 
@@ -157,61 +181,51 @@ def parse_granularities(spec: str) -> list[int]:
 
 
 def continuation_grid(T: int, k: int, stride: int) -> list[int]:
-    """Grid indices a branch visits after its SDE step k -> k+1 [G2RPO: MGAI]. The continuation grid is
+    """Grid indices a branch visits after its SDE step k -> k+1 [G2RPO, MGAI]. The continuation grid is
     t[0..k+1] + t[k+2::stride]: the ordinary step k+1 -> k+2, then every stride-th index up to T."""
     return [k + 1] + list(range(k + 2, T + 1, stride))
 
 
-def singular_sde_step(z, v, t, s, group_size: int, noise_level: float, t_cap: float, generator):
-    """[G2RPO: Singular Stochastic Sampling] G branches from one shared latent per prompt: the Flow-GRPO SDE step
-    (Flow-GRPO, ODE-to-SDE conversion, Euler-Maruyama step) from z_k, with the same v_theta(z_k) for every branch, so the branches differ only by
-    their noise. z, v: (P, ...) -> next latents (P, G, ...) and log-probs (P, G)."""
-    P = len(z)
-    nxt, log_prob, _, _ = common.sde_step(z.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0),
-                                          t, s, noise_level, t_cap, generator=generator)
-    return nxt.unflatten(0, (P, group_size)), log_prob.view(P, group_size)
+def singular_sde_step(z, v, t, s, group_size: int, noise_level: float, t_cap: float, generator=None, next_x=None):
+    """[G2RPO, Singular Stochastic Sampling] G branches from one shared latent per prompt: the SDE step
+    [Flow-GRPO Eq. 9] from z_k with the same v_theta(z_k) for every branch, so the branches differ only by their
+    noise. z, v: (P, ...); next_x (P, G, ...) is scored if given (training), else drawn with `generator`.
+    Returns next latents (P, G, ...), log-probs (P, G), the branches' shared mean (P, ...) and the std."""
+    nxt, log_prob, mean, std = common.sde_step(
+        repeat(z, "p ... -> (p g) ...", g=group_size), repeat(v, "p ... -> (p g) ...", g=group_size), t, s,
+        noise_level, t_cap, next_x=None if next_x is None else rearrange(next_x, "p g ... -> (p g) ..."),
+        generator=generator)
+    return (rearrange(nxt, "(p g) ... -> p g ...", g=group_size), rearrange(log_prob, "(p g) -> p g", g=group_size),
+            rearrange(mean, "(p g) ... -> p g ...", g=group_size)[:, 0], std)
 
 
-def continue_ode(velocity, z, ks, sigmas, strides: list[int], micro_batch: int):
-    """[G2RPO: MGAI] ODE continuations of branch latents z (R, ...), row r at t_{k+1} for k = ks[r], one per
-    stride, to t = 0: Euler steps over sigmas[continuation_grid(T, k, stride)]; if the last point visited has
-    t > 0, the x0-jump x0_hat = z - t v from there, which is the Euler step to t = 0. The strides share a prefix
-    (the step to t_{k+2} and v_theta(z_{k+2})), evaluated once. Evaluation j of every live (row, stride) goes
-    through `velocity(x, t (n,), rows (n,))` together, micro_batch rows at a time. Returns (R, L, ...) at t = 0."""
-    T, R, L = len(sigmas) - 1, len(z), len(strides)
-    # grid points where v is evaluated: all but t_T = 0
-    evals = [[[i for i in continuation_grid(T, k, s) if i < T] for s in strides] for k in ks.tolist()]
-    J = max(len(e) for row in evals for e in row)
-    n_eval = torch.zeros(R, L, dtype=torch.long)                      # (R, L) evaluations of each continuation
-    t_eval, t_next = torch.zeros(R, L, J), torch.zeros(R, L, J)       # (R, L, J) t of evaluation j, t it steps to
-    n_shared = torch.zeros(R, dtype=torch.long)                       # (R,) leading evaluations equal for all strides
-    for r, row in enumerate(evals):
-        for l, e in enumerate(row):
-            n_eval[r, l] = len(e)
-            t_eval[r, l, :len(e)] = sigmas[e]
-            t_next[r, l, :len(e[1:])] = sigmas[e[1:]]                 # after the last evaluation: t = 0
-        n = 0
-        while all(len(e) > n for e in row) and len({e[n] for e in row}) == 1:
-            n += 1
-        n_shared[r] = n
-    n_eval, t_eval, t_next, n_shared = (x.to(z.device) for x in (n_eval, t_eval, t_next, n_shared))
-    first = torch.arange(L, device=z.device) == 0                     # (L,) the stride that evaluates shared points
-    x = z.float().unsqueeze(1).repeat(1, L, *[1] * (z.dim() - 1))     # (R, L, ...) one copy per stride
-    for j in range(J):
-        live = n_eval > j                                              # (R, L)
-        shared = n_shared > j                                          # (R,) same state and t for every stride
-        rows, cols = (live & (first | ~shared[:, None])).nonzero(as_tuple=True)
-        v = torch.zeros_like(x)
-        for i in range(0, len(rows), micro_batch):
-            r, c = rows[i:i + micro_batch], cols[i:i + micro_batch]
-            v[r, c] = velocity(x[r, c], t_eval[r, c, j], r)
-        v[shared] = v[shared][:, :1]                                   # broadcast the shared evaluation
-        x[live] = common.ode_step(x[live], v[live], t_eval[..., j][live], t_next[..., j][live])
-    return x
+def continue_ode(velocity, z: torch.Tensor, cond: dict, k: int, sigmas: torch.Tensor, strides: list[int]):
+    """[G2RPO, MGAI] The ODE continuations to t = 0 of branch latents z (R, ...) at t_{k+1}, one per stride:
+    Euler steps over sigmas[continuation_grid(T, k, stride)], then, if the last point visited has t > 0, the
+    x0-jump x0_hat = z - t v from there (which is the Euler step to t = 0). All strides take the same first
+    step t_{k+1} -> t_{k+2} and evaluate the same v(z_{k+2}), so those are computed once (reading 5).
+    velocity(x, i, cond) is v_theta(x, t_i) for rows x with conditioning rows cond. Returns (R, L, ...) at t = 0,
+    in the order of `strides`."""
+    T = len(sigmas) - 1
+    x = z.float()
+    if k + 1 < T:                                            # the shared ordinary step t_{k+1} -> t_{k+2}
+        x = common.ode_step(x, velocity(x, k + 1, cond), sigmas[k + 1], sigmas[k + 2])
+    v_shared = velocity(x, k + 2, cond) if k + 2 < T else None  # the shared evaluation at t_{k+2}
+    ends = []
+    for stride in strides:
+        grid = continuation_grid(T, k, stride)[1:]           # k+2, k+2+stride, ... (<= T)
+        y = x
+        for n, i in enumerate(grid):
+            if i == T:
+                break
+            s = grid[n + 1] if n + 1 < len(grid) else T     # past the grid's last point: the x0-jump to t = 0
+            y = common.ode_step(y, v_shared if n == 0 else velocity(y, i, cond), sigmas[i], sigmas[s])
+        ends.append(y)
+    return torch.stack(ends, 1)
 
 
 def mgai_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float], adv_clip: float) -> torch.Tensor:
-    """[G2RPO: MGAI] rewards[name]: (B, K, G, L). Each (prompt, k, stride) is z-scored over its G branches with the
+    """[G2RPO, MGAI] rewards[name]: (B, K, G, L). Each (prompt, k, stride) is z-scored over its G branches with the
     unbiased std + 1e-8 (GRPO's group advantage), then summed (not averaged) over the strides and, with their
     weights, over the reward models; clamped to +-adv_clip. Returns A (B, K, G)."""
     total = 0.0
@@ -262,10 +276,11 @@ def main(args: Args) -> dict:
     if start > args.iterations:
         raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    config = dataclasses.asdict(args)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+        (run_dir / "args.json").write_text(json.dumps(config, indent=2))
+    logger = common.Logger(run_dir, rt.is_main, start, wandb_config=config if args.wandb else None)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
     # <<< shared: setup-run
@@ -277,7 +292,12 @@ def main(args: Args) -> dict:
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
-        return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
+        return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
+
+    def branch_velocity(x, i, cond):
+        """v_theta(x, t_i) for branch rows x with their conditioning rows, M rows per forward."""
+        return torch.cat([adapter.velocity(net, x[r:r + M], sigmas[i], common.cond_select(cond, slice(r, r + M)))
+                          for r in range(0, len(x), M)])
 
     # >>> shared: eval
     def run_eval(it):
@@ -305,15 +325,17 @@ def main(args: Args) -> dict:
         # <<< shared: eval
 
         # ---- 3a. Rollout: ODE anchor, singular SDE branches, multi-granularity ODE continuations (no grad) ----
+        # >>> shared: iteration-start
         tic = time.time()
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
-        gen = common.make_generator(args.seed, rt.rank, it)
+        gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) one row per prompt
-        cond = adapter.encode(prompts)
+        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        # <<< shared: iteration-start
+        cond = adapter.encode(texts)                          # (B, ...) one row per prompt
         transformer.eval()
         with torch.no_grad():
-            # [G2RPO: Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
+            # [G2RPO, Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
             # deterministic ODE anchor from it; keep z_k and v_theta(z_k) for every k in M
             fwd = adapter.counts["fwd"]
             anchor, velocities, finals = [], [], []          # (B, K, ...), (B, K, ...), (B, ...)
@@ -323,48 +345,47 @@ def main(args: Args) -> dict:
                 zs, vs = [], []
                 for k in range(T):
                     v = adapter.velocity(net, z, sigmas[k], c)
-                    if k < K:
-                        zs.append(z), vs.append(v)
+                    zs.append(z)
+                    vs.append(v)
                     z = common.ode_step(z, v, sigmas[k], sigmas[k + 1])
-                anchor.append(torch.stack(zs, 1)), velocities.append(torch.stack(vs, 1)), finals.append(z)
+                anchor.append(torch.stack(zs[:K], 1))
+                velocities.append(torch.stack(vs[:K], 1))
+                finals.append(z)
             anchor, velocities, finals = torch.cat(anchor), torch.cat(velocities), torch.cat(finals)
             nfe_anchor, fwd = adapter.counts["fwd"] - fwd, adapter.counts["fwd"]
 
-            # [G2RPO: Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
+            # [G2RPO, Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
             # anchor's v_theta(z_k) gives the step mean, so branching needs no evaluation (reading 4)
             branches = torch.empty(B, K, G, *anchor.shape[2:], device=anchor.device)  # (B, K, G, ...) z_{k+1}^i
             log_probs = torch.empty(B, K, G, device=anchor.device)                     # (B, K, G) l_old
             for rows in chunks:
                 for k in range(K):
-                    branches[rows, k], log_probs[rows, k] = singular_sde_step(
+                    branches[rows, k], log_probs[rows, k], _, _ = singular_sde_step(
                         anchor[rows, k], velocities[rows, k], sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap, gen)
             nfe_branch, fwd = adapter.counts["fwd"] - fwd, adapter.counts["fwd"]
 
-            # [G2RPO: MGAI] finish every branch with the ODE at every stride, batched over prompts, k, branches and
-            # strides (reading 5)
-            ks = torch.arange(K).repeat_interleave(G)         # (K*G,) the step each of a prompt's branches left at
-            latents = []                                      # (B, K, G, L, ...) images' latents at t = 0
-            for rows in chunks:
-                P = rows.stop - rows.start
-                c = common.cond_select(cond, rows)
-                owner = torch.arange(P, device=anchor.device).repeat_interleave(K * G)  # (P*K*G,) each row's prompt
-                vel = lambda x, t, r: adapter.velocity(net, x, t, common.cond_select(c, owner[r]))  # noqa: E731
-                latents.append(continue_ode(vel, branches[rows].flatten(0, 2), ks.repeat(P), sigmas, strides, M)
-                               .unflatten(0, (P, K, G)))
-            latents = torch.cat(latents)
+            # [G2RPO, MGAI] finish every branch with the ODE at every stride (reading 5), one k at a time
+            branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
+            latents = torch.empty(B, K, G, L, *anchor.shape[2:], device=anchor.device)  # (B, K, G, L, ...) at t = 0
+            for k in range(K):
+                z = rearrange(branches[:, k], "b g ... -> (b g) ...")
+                ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
+                latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
             nfe_continuation = adapter.counts["fwd"] - fwd
         t_rollout = time.time() - tic
 
-        # ---- 3b. Rewards -> multi-granularity advantages [G2RPO: MGAI] ----
+        # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----
         tic = time.time()
-        flat, owners = latents.flatten(0, 3), [p for p in prompts for _ in range(K * G * L)]
+        flat = rearrange(latents, "b k g l ... -> (b k g l) ...")
+        owners = [p for p in texts for _ in range(K * G * L)]  # the prompt of each row of flat
         parts = {name: [] for name in weights}
         with torch.no_grad():
             for i in range(0, len(flat), M):                  # decode and score in micro-batches; images are not kept
                 for name, r in reward_fn(adapter.decode(flat[i:i + M]), owners[i:i + M])[1].items():
                     parts[name].append(r)
-            anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), prompts[rows])[0] for rows in chunks])
-        parts = {name: torch.cat(r).to(rt.device).float().view(B, K, G, L) for name, r in parts.items()}
+            anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), texts[rows])[0] for rows in chunks])
+        parts = {name: rearrange(torch.cat(r).to(rt.device).float(), "(b k g l) -> b k g l", k=K, g=G, l=L)
+                 for name, r in parts.items()}
         rewards = sum(weights[name] * r for name, r in parts.items())                   # (B, K, G, L)
         advantages = mgai_advantages(parts, weights, args.adv_clip)                     # (B, K, G)
         t_reward = time.time() - tic
@@ -379,23 +400,21 @@ def main(args: Args) -> dict:
                 c, z, A = common.cond_select(cond, rows), anchor[rows, k], advantages[rows, k]  # z_k: (P, ...)
                 with common.no_sync(net, j < len(chunks) - 1):
                     v = adapter.velocity(net, z, sigmas[k], c)  # one forward per prompt: the G branches share z_k
-                    _, lp, mu, std_k = common.sde_step(z.repeat_interleave(G, 0), v.repeat_interleave(G, 0), sigmas[k],
-                                                       sigmas[k + 1], args.noise_level, t_cap,
-                                                       next_x=branches[rows, k].flatten(0, 1))
-                    lp = lp.view(P, G)
+                    _, lp, mu, std_k = singular_sde_step(z, v, sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap,
+                                                         next_x=branches[rows, k])     # (P, G) log-probs, mu (P, ...)
                     ratio = torch.exp(lp - log_probs[rows, k])                           # (P, G)
-                    # [G2RPO: objective] the clipped surrogate of Flow-GRPO's objective on step k only, no KL by default
+                    # [Flow-GRPO Eq. 5] the clipped objective on step k only, no KL by default [G2RPO, objective]
                     pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
-                    kl = common.gaussian_kl(mu[::G], ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
-                        if args.beta > 0 else torch.zeros(P, device=pg.device)          # mu is shared by the branches
+                    kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                        if args.beta > 0 else torch.zeros(P, device=pg.device)
                     loss = pg.mean() + args.beta * kl.mean()
                     (loss * P / B).backward()                 # the step's loss: mean over all the rank's branches
-                stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
-                stats["kl"].append(kl.mean().item())
-                stats["ratio_dev"].append((ratio - 1).abs().max().item())
-                stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
-                stats["approx_kl"].append(0.5 * ((lp - log_probs[rows, k]) ** 2).mean().item())
-            if k == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta) = 0
+                step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
+                        "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
+                        "approx_kl": 0.5 * ((lp - log_probs[rows, k]) ** 2).mean()}
+                for name, value in step.items():
+                    stats[name].append(value.item())
+            if k == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
                 metrics["kl_first_update"] = max(stats["kl"])
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())

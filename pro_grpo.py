@@ -52,8 +52,11 @@ Simplifications / readings (the paper releases no code and leaves these open):
      trajectories per prompt on the same prompts and steps. Preview decodes and reward calls are logged
      (decodes, reward_calls) but not in the ratio; the paper's FLOPs table adds them.
   8. FLUX (T = 6): checkpoints {3, 4}, the paper's {5, 7} of T = 10 at the same fractions of T.
-  9. Equation numbers of the Pro-GRPO paper are not cited (its text was not at hand); tags name its
-     definitions: [Pro-GRPO OVF], [Pro-GRPO preview], [Pro-GRPO advantage].
+  9. Toy: Flow-GRPO's group of 8 expanded as the paper expands 24, 16 -> 8 -> 4.
+
+Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
+name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
+(README, Toy recipes).
 
 Run:
   python pro_grpo.py                                   # toy model, CPU, a few minutes
@@ -78,89 +81,120 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange
 from tqdm import tqdm
 
 import common
 from common import field
 
 
-# ---- 0. Config ----
+# ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
-    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
-    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
+                                      "assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")
-    iterations: int | None = field(None, "training iterations (rollout + update)")
-    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; 0 = no limit")
+    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
+                                    "0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run folder or checkpoint folder to continue from")
-    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int = field(20, "ODE steps at evaluation")
     save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
     wandb: bool = field(False, "also log to Weights & Biases")
     threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
-    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
-    group_size: int | None = field(None, "samples per prompt (G)")
-    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
-    lr: float | None = field(None, "AdamW learning rate")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float | None = field(None, "LoRA alpha")
-    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float = field(0.0, "LoRA alpha")
+    ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     # <<< shared: args
     # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
-    sample_steps: int | None = field(None, "denoising steps T of a training rollout")
-    noise_level: float | None = field(None, "SDE noise level a in g = a sqrt(t / (1 - t))")
+    iterations: int = field(30, "training iterations (rollout + update)")
+    prompts_per_step: int = field(8, "prompts per iteration, over all ranks")
+    group_size: int = field(16, "expanded group G_max: trajectories started per prompt")
+    micro_batch: int = field(16, "samples per forward pass, in rollout and update alike")
+    lr: float = field(1e-4, "AdamW learning rate")
+    sample_steps: int = field(10, "denoising steps T of a training rollout")
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))")
     timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
-    updates_per_rollout: int = field(2, "optimizer steps per iteration (the rollout is split into this many minibatches)")
+    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
-    beta: float | None = field(None, "weight of the KL to the reference (pre-trained) policy")
-    funnel: str | None = field(None, "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
-                                     "from --group-size; the last is the trained group K; '' = no pruning")
-    checkpoints: str | None = field(None, "steps done at each checkpoint, e.g. '5,7' (one per funnel size); "
-                                          "a checkpoint at T = --sample-steps filters finished images (Static OVF)")
-    baseline_group: int | None = field(None, "Flow-GRPO group size the FLOPs proxy compares against")
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
+    funnel: str = field("8,4", "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
+                               "from --group-size; the last is the trained group K; '' = no pruning")
+    checkpoints: str = field("5,7", "steps done at each checkpoint, e.g. '5,7' (one per funnel size); a checkpoint "
+                                    "at T = --sample-steps filters finished images (Static OVF)")
+    baseline_group: int = field(8, "Flow-GRPO group size the FLOPs proxy compares against")
 
 
-# Per-model defaults: the paper's Standard funnel on Flow-GRPO's configs for sd3 / flux (PAPERS §2.3, §3.4),
-# a calibrated CPU run for toy: Flow-GRPO's toy group of 8 expanded as the paper expands 24 (16 -> 8 -> 4);
-# lr 1e-4, since with 4 trained samples per prompt 3e-4 mostly random-walks the full fine-tuning.
+# Full scale: what differs from the toy defaults above: the paper's Standard funnel 48 -> 24 -> 12 on Flow-GRPO's
+# settings (FLUX's checkpoints: reading 8). tiny-* shrink these, with a funnel that fits.
 MODEL_DEFAULTS = {
-    "toy": dict(reward="toy", iterations=30, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=8,
-                group_size=16, funnel="8,4", checkpoints="5,7", baseline_group=8, micro_batch=16, sample_steps=10,
-                noise_level=0.7, lr=1e-4, lora_rank=0, lora_alpha=0, beta=0.03, ema=False,
-                gradient_checkpointing=False),
-    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                      group_size=4, funnel="3,2", checkpoints="1,2", baseline_group=2, micro_batch=2,
-                      sample_steps=3, noise_level=0.9, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.0, ema=False,
-                      gradient_checkpointing=False, resolution=32, guidance_scale=3.5),
-    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                     group_size=4, funnel="3,2", checkpoints="1,2", baseline_group=2, micro_batch=2,
-                     sample_steps=3, noise_level=0.7, lr=3e-4, lora_rank=4, lora_alpha=8, beta=0.001, ema=False,
-                     gradient_checkpointing=False, resolution=32, guidance_scale=4.5),
-    "sd3": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=40,
-                prompts_per_step=48, group_size=48, funnel="24,12", checkpoints="5,7", baseline_group=24,
-                micro_batch=6, sample_steps=10, noise_level=0.7, lr=3e-4, lora_rank=32, lora_alpha=64, beta=0.001,
-                ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=4.5),
-    "flux": dict(reward="pickscore", iterations=1000, eval_every=30, eval_images=256, eval_steps=28,
-                 prompts_per_step=48, group_size=48, funnel="24,12", checkpoints="3,4", baseline_group=24,
-                 micro_batch=4, sample_steps=6, noise_level=0.9, lr=3e-4, lora_rank=64, lora_alpha=128, beta=0.0,
-                 ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=3.5),
+    "sd3": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 40,
+        "resolution": 512,
+        "guidance_scale": 4.5,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 1000,
+        "prompts_per_step": 48,
+        "group_size": 48,
+        "micro_batch": 6,
+        "lr": 3e-4,
+        "beta": 0.001,
+        "funnel": "24,12",
+        "baseline_group": 24,
+    },
+    "flux": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 28,
+        "resolution": 512,
+        "guidance_scale": 3.5,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 1000,
+        "prompts_per_step": 48,
+        "group_size": 48,
+        "micro_batch": 4,
+        "lr": 3e-4,
+        "sample_steps": 6,
+        "noise_level": 0.9,
+        "beta": 0.0,
+        "funnel": "24,12",
+        "checkpoints": "3,4",
+        "baseline_group": 24,
+    },
+    "tiny": {
+        "group_size": 4,
+        "funnel": "3,2",
+        "checkpoints": "1,2",
+        "baseline_group": 2,
+    },
 }
 
 
 # ---- 1. Method functions ----
 def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """[Pro-GRPO OVF] K* = argmax_{|K| = k} Var_K(R), Var_K = (1/k) sum_{i in K} (R_i - mean_K R)^2.
+    """[Pro-GRPO, OVF] K* = argmax_{|K| = k} Var_K(R), Var_K = (1/k) sum_{i in K} (R_i - mean_K R)^2.
     Some optimal K is the j smallest plus the k - j largest rewards (a member's variance term is convex
     in its value, so swapping it for the smallest or largest excluded value never lowers Var_K): sort,
     then score every j = 0..k in O(1) from prefix sums of R and R^2. Ties go to the smallest j.
@@ -182,11 +216,11 @@ def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def survivor_advantages(rewards: torch.Tensor, adv_clip: float) -> torch.Tensor:
-    """[Pro-GRPO advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
-    (Flow-GRPO's group-relative advantage, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
+    """[Pro-GRPO, advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
+    ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, keepdim=True)
-    return ((rewards - mean) / (std + 1e-4)).flatten().clamp(-adv_clip, adv_clip)
+    return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)").clamp(-adv_clip, adv_clip)
 
 
 def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> tuple[list[int], list[int]]:
@@ -217,7 +251,7 @@ def main(args: Args) -> dict:
     if args.prompts_per_step % W:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
     T = args.sample_steps
-    sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, T)  # [Pro-GRPO funnel]
+    sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, T)  # [Pro-GRPO, funnel]
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, expanded group G_max
     K = sizes[-1] if sizes else G                            # trained survivors per prompt
     N = B * K                                                # trained samples per rank per iteration
@@ -228,7 +262,7 @@ def main(args: Args) -> dict:
     if (N // M) % args.updates_per_rollout:
         raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
                          f"per rank; change it or --micro-batch")
-    T_train = int(T * args.timestep_fraction)                # Flow-GRPO trains the first int(0.99 T) steps
+    T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
     funnel_text = " -> ".join(map(str, [G, *sizes])) + (f" at steps {steps_at}" if sizes else "")
     common.print0(f"ranks {W} | prompts/rank B={B} | funnel {funnel_text} | trained K={K}, samples/rank N={N} | "
                   f"micro-batch {M} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
@@ -252,10 +286,11 @@ def main(args: Args) -> dict:
     if start > args.iterations:
         raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    config = dataclasses.asdict(args)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+        (run_dir / "args.json").write_text(json.dumps(config, indent=2))
+    logger = common.Logger(run_dir, rt.is_main, start, wandb_config=config if args.wandb else None)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
     # <<< shared: setup-run
@@ -269,11 +304,18 @@ def main(args: Args) -> dict:
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
-        return common.sde_step(x, v, t, s, args.noise_level, t_cap, next_x=x)[2]
+        return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
+
+    def score(x, ids, texts):
+        """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: (n,) on CPU."""
+        images = torch.cat([adapter.decode(x[i:i + M]) for i in range(0, len(x), M)])
+        owners = [texts[j] for j in (ids // G).tolist()]
+        rewards = [reward_fn(images[i:i + M], owners[i:i + M])[0] for i in range(0, len(x), M)]
+        return torch.cat(rewards).float().cpu()
 
     def group_std(r, n):
         """Mean over prompts of the within-group std of rewards r (B*n,), population form as OVF's Var_K."""
-        return r.view(B, n).std(1, correction=0).mean().item()
+        return rearrange(r, "(b n) -> b n", n=n).std(1, correction=0).mean().item()
 
     # >>> shared: eval
     def run_eval(it):
@@ -300,25 +342,20 @@ def main(args: Args) -> dict:
             break
         # <<< shared: eval
 
-        # ---- 3a. Rollout: expand, SDE-sample step-major, preview + OVF-prune at checkpoints, no grad ----
+        # ---- 3a. Rollout: expand, SDE-sample step-major [Flow-GRPO Eq. 9], preview + OVF-prune at checkpoints ----
+        # >>> shared: iteration-start
         tic = time.time()
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
-        gen = common.make_generator(args.seed, rt.rank, it)
+        gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]
+        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        # <<< shared: iteration-start
         cond = adapter.encode(texts)                          # (B, ...) one row per prompt, indexed by alive // G
-
-        def score(x, ids):
-            """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: (n,) on CPU."""
-            images = torch.cat([adapter.decode(x[i:i + M]) for i in range(0, len(x), M)])
-            owners = [texts[j] for j in (ids // G).tolist()]
-            rewards = [reward_fn(images[i:i + M], owners[i:i + M])[0] for i in range(0, len(x), M)]
-            return torch.cat(rewards).float().cpu()
 
         diag, t_preview, nfe_sample = {}, 0.0, 0
         transformer.eval()
         with torch.no_grad():
-            alive = torch.arange(B * G)                       # (B*G,) [Pro-GRPO expand] S: ids, prompt-major
+            alive = torch.arange(B * G)                       # (B*G,) [Pro-GRPO, expand] S: ids, prompt-major
             z = adapter.noise(B * G, gen)                     # (B*G, ...) z_0, independent per trajectory
             zs, lps = [z], []                                 # per step: (|S|, ...) and (|S|,), rows = alive
             for k in range(T + 1):
@@ -330,10 +367,10 @@ def main(args: Args) -> dict:
                 if k in steps_at:
                     tic_p = time.time()
                     n, n_next = len(alive) // B, sizes[steps_at.index(k)]
-                    # [Pro-GRPO preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF)
+                    # [Pro-GRPO, preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF)
                     x0_hat = common.x0_prediction(z, v, sigmas[k]) if k < T else z
-                    proxy = score(x0_hat, alive)              # (|S|,) R_hat, the training reward on previews
-                    # [Pro-GRPO OVF] per prompt, keep the max-variance subset of size K_{i+1}
+                    proxy = score(x0_hat, alive, texts)              # (|S|,) R_hat, the training reward on previews
+                    # [Pro-GRPO, OVF] per prompt, keep the max-variance subset of size K_{i+1}
                     keep = torch.cat([b * n + ovf_select(proxy[b * n:(b + 1) * n], n_next) for b in range(B)])
                     diag.update({f"ovf{k}_preview_mean": proxy.mean().item(), f"ovf{k}_std_before": group_std(proxy, n),
                                  f"ovf{k}_std_after": group_std(proxy[keep], n_next)})
@@ -344,25 +381,26 @@ def main(args: Args) -> dict:
                 if k == T:
                     break
                 z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap, generator=gen)
-                zs.append(z), lps.append(lp)
+                zs.append(z)
+                lps.append(lp)
         latents, log_probs = torch.stack(zs, 1), torch.stack(lps, 1)  # (N, T+1, ...) and (N, T), survivors
         cond = common.cond_select(cond, alive // G)           # (N, ...) the survivors' conditioning, prompt-major
         t_rollout = time.time() - tic
 
-        # ---- 3b. Rewards -> advantages over the survivors (Pro-GRPO advantage; Flow-GRPO group-relative advantage) ----
+        # ---- 3b. Rewards -> advantages over the survivors [Pro-GRPO, advantage] ----
         tic = time.time()
         static = bool(steps_at) and steps_at[-1] == T         # the last filter already scored the finished images
         with torch.no_grad():
-            rewards = proxy if static else score(latents[:, -1], alive)
+            rewards = proxy if static else score(latents[:, -1], alive, texts)
         rewards = rewards.to(rt.device).float()
-        grouped = rewards.view(B, K)
+        grouped = rearrange(rewards, "(b k) -> b k", k=K)
         advantages = survivor_advantages(grouped, args.adv_clip)
         t_reward = time.time() - tic
 
-        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference (Flow-GRPO, GRPO objective) ----
+        # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches (flow_grpo reading 3)
+        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
         per_update = (N // M) // args.updates_per_rollout
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
         for u in range(args.updates_per_rollout):
@@ -371,9 +409,9 @@ def main(args: Args) -> dict:
                 idx = slice(mb * M, (mb + 1) * M)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for k in range(T_train):
-                    last = j == len(chunk) - 1 and k == T_train - 1
+                    sync = j == len(chunk) - 1 and k == T_train - 1  # the update's last backward all-reduces
                     z, z_next = latents[idx, k], latents[idx, k + 1]
-                    with common.no_sync(net, not last):
+                    with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
                         _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
                                                            next_x=z_next)
@@ -383,12 +421,12 @@ def main(args: Args) -> dict:
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
                         (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
-                    stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
-                    stats["kl"].append(kl.mean().item())
-                    stats["ratio_dev"].append((ratio - 1).abs().max().item())
-                    stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
-                    stats["approx_kl"].append(0.5 * ((lp - log_probs[idx, k]) ** 2).mean().item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta) = 0
+                    step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
+                            "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
+                            "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}
+                    for name, value in step.items():
+                        stats[name].append(value.item())
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
                 metrics["kl_first_update"] = max(stats["kl"])
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())

@@ -50,10 +50,10 @@ Simplifications / readings (where the paper or its summaries leave a choice):
      them, so their activations are alive together for one backward anyway).
   8. The velocity used by the surrogate is the adapter's, so with `--guidance-scale > 1` on SD3 it is the
      CFG velocity; V-GRPO trains SD3.5 without CFG (default guidance 1).
-  9. Toy (calibrated on 2 CPU cores, one seed per setting): 16 prompts x 8, 10 ODE steps, N_MC 4, full
-     fine-tuning at lr 1e-4 (ahead of 5e-5 and 3e-4 after 8 iterations), N_grad 2 with clip 1e-2 (clip_frac
-     ~0.4 -> 0; ahead of on-policy N_grad 1 at the same cost), kappa 3, no KL, group std. Held-out reward /
-     strict accuracy 0.69 / 0.38 -> 0.85 / 0.70 after 10 iterations, 0.90 / 0.80 after 20.
+
+Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
+name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
+(README, Toy recipes).
 
 Run:
   python v_grpo.py                                      # toy model, CPU, a few minutes
@@ -77,83 +77,106 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange, repeat
 from tqdm import tqdm
 
 import common
 from common import field
 
 
-# ---- 0. Config ----
+# ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
-    reward: str | None = field(None, "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
-    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or assets/prompts.txt")
+    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
+                                      "assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")
-    iterations: int | None = field(None, "training iterations (rollout + update)")
-    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; 0 = no limit")
+    time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
+                                    "0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run folder or checkpoint folder to continue from")
-    eval_every: int | None = field(None, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int | None = field(None, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int | None = field(None, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
+    eval_steps: int = field(20, "ODE steps at evaluation")
     save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
     wandb: bool = field(False, "also log to Weights & Biases")
     threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux)")
-    prompts_per_step: int | None = field(None, "prompts per iteration, over all ranks")
-    group_size: int | None = field(None, "samples per prompt (G)")
-    micro_batch: int | None = field(None, "samples per forward pass, in rollout and update alike")
-    lr: float | None = field(None, "AdamW learning rate")
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int | None = field(None, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float | None = field(None, "LoRA alpha")
-    ema: bool | None = field(None, "keep an EMA of the trained weights for evaluation and checkpoints")
-    gradient_checkpointing: bool | None = field(None, "recompute activations in the backward pass")
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
+    lora_alpha: float = field(0.0, "LoRA alpha")
+    ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
+    gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     # <<< shared: args
     # --- V-GRPO ---
-    sample_steps: int | None = field(None, "ODE steps T of a training rollout")
-    mc_pairs: int | None = field(None, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
+    iterations: int = field(20, "training iterations (rollout + update)")
+    prompts_per_step: int = field(16, "prompts per iteration, over all ranks")
+    group_size: int = field(8, "samples per prompt (G)")
+    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike")
+    lr: float = field(1e-4, "AdamW learning rate")
+    sample_steps: int = field(10, "denoising steps T of a training rollout")
+    mc_pairs: int = field(4, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
     share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt), "
                                       "batch (all samples of the iteration, on every rank), sample (nobody: ablation)")
     stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
     pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(K) minus t = 0; default: sample-steps")
     self_normalize: bool = field(True, "divide each pair's x-prediction MSE by its stop-gradient L1")
-    updates_per_rollout: int | None = field(None, "gradient steps N_grad per iteration, one per rollout minibatch")
-    clip_range: float | None = field(None, "PPO ratio clip epsilon (inert with one update per rollout)")
-    soft_clip: float | None = field(None, "soft-clip kappa: A <- kappa tanh(A / kappa); 0 = clamp to +-adv-clip")
+    updates_per_rollout: int = field(2, "gradient steps N_grad per iteration, one per rollout minibatch")
+    clip_range: float = field(1e-2, "PPO ratio clip epsilon (inert with one update per rollout)")
+    soft_clip: float = field(3.0, "soft-clip kappa: A <- kappa tanh(A / kappa); 0 = clamp to +-adv-clip")
     adv_clip: float = field(5.0, "with --soft-clip 0, advantages are clamped to [-adv_clip, adv_clip]")
-    beta: float | None = field(None, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old")
-    global_std: bool = field(False, "normalise advantages by the std of all rewards of the iteration (else the group's)")
+    beta: float = field(0.0, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old")
+    global_std: bool = field(False, "advantages divided by the std of all the iteration's rewards (else the group's)")
 
 
-# Per-model defaults: the paper's settings for sd3 / flux where it gives them (reading 6 for the rest), a calibrated
-# CPU run for toy (reading 9).
+# Full scale: what differs from the toy defaults above, from the paper where it gives them (else reading 6).
+# tiny-* shrink these.
 MODEL_DEFAULTS = {
-    "toy": dict(reward="toy", iterations=20, eval_every=10, eval_images=200, eval_steps=20, prompts_per_step=16,
-                group_size=8, micro_batch=32, sample_steps=10, mc_pairs=4, lr=1e-4, lora_rank=0, lora_alpha=0,
-                updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0, ema=False,
-                gradient_checkpointing=False),
-    "tiny-flux": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                      group_size=2, micro_batch=2, sample_steps=4, mc_pairs=2, lr=3e-4, lora_rank=4, lora_alpha=8,
-                      updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0, ema=False,
-                      gradient_checkpointing=False, resolution=32, guidance_scale=3.5),
-    "tiny-sd3": dict(reward="jpeg", iterations=2, eval_every=1, eval_images=4, eval_steps=4, prompts_per_step=2,
-                     group_size=2, micro_batch=2, sample_steps=4, mc_pairs=2, lr=3e-4, lora_rank=4, lora_alpha=8,
-                     updates_per_rollout=2, clip_range=1e-2, soft_clip=0.0, beta=0.3, ema=False,
-                     gradient_checkpointing=False, resolution=32, guidance_scale=1.0),
-    "sd3": dict(reward="pickscore", iterations=150, eval_every=30, eval_images=256, eval_steps=40,
-                prompts_per_step=48, group_size=24, micro_batch=8, sample_steps=40, mc_pairs=4, lr=3e-4,
-                lora_rank=32, lora_alpha=64, updates_per_rollout=1, clip_range=1e-2, soft_clip=3.0, beta=0.0,
-                ema=True, gradient_checkpointing=True, resolution=512, guidance_scale=1.0),
-    "flux": dict(reward="pickscore", iterations=300, eval_every=30, eval_images=256, eval_steps=28,
-                 prompts_per_step=32, group_size=12, micro_batch=4, sample_steps=16, mc_pairs=4, lr=3e-4,
-                 lora_rank=32, lora_alpha=64, updates_per_rollout=2, clip_range=1e-2, soft_clip=3.0, beta=0.0,
-                 ema=True, gradient_checkpointing=True, resolution=720, guidance_scale=3.5),
+    "sd3": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 40,
+        "resolution": 512,
+        "guidance_scale": 1.0,            # no CFG (reading 8)
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 150,
+        "prompts_per_step": 48,
+        "group_size": 24,
+        "micro_batch": 8,
+        "lr": 3e-4,
+        "sample_steps": 40,
+        "updates_per_rollout": 1,         # stage 1: fully on-policy, hence the soft-clip
+    },
+    "flux": {
+        "reward": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 28,
+        "resolution": 720,
+        "guidance_scale": 3.5,
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 300,
+        "prompts_per_step": 32,
+        "group_size": 12,
+        "micro_batch": 4,
+        "lr": 3e-4,
+        "sample_steps": 16,
+    },
+    "tiny": {
+        "mc_pairs": 2,
+    },
 }
 
 
@@ -187,23 +210,21 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, B: int, G: int, noise_fn, share: s
     Returns taus (B*G, n_mc) and eps (B*G, n_mc, ...)."""
     n_sets = {"group": B, "batch": 1, "sample": B * G}[share]
     taus = stratified_times(grid, n_mc, n_sets, generator, stratified)       # (n_sets, J)
-    eps = noise_fn(n_sets * n_mc, generator)                                 # (n_sets * J, ...)
-    eps = eps.view(n_sets, n_mc, *eps.shape[1:])                             # (n_sets, J, ...)
-    rep = B * G // n_sets
-    return taus.repeat_interleave(rep, 0).to(eps.device), eps.repeat_interleave(rep, 0)
+    eps = rearrange(noise_fn(n_sets * n_mc, generator), "(s j) ... -> s j ...", j=n_mc)  # (n_sets, J, ...)
+    r = B * G // n_sets                                                      # consecutive samples sharing a set
+    return repeat(taus, "s j -> (s r) j", r=r).to(eps.device), repeat(eps, "s j ... -> (s r) j ...", r=r)
 
 
 def x_predictions(adapter, net, o: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor, cond: dict) -> torch.Tensor:
     """[V-GRPO, ELBO surrogate] x_ij = (1 - t_j) o_i + t_j eps_j (the forward process applied to the sample) and
     the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i); all M*J pairs in one forward (reading 7).
     o (M, ...), taus (M, J), eps (M, J, ...) -> x_hat (M, J, ...) in float32."""
-    M, J = taus.shape
-    t = taus.reshape(M * J)                                              # (M*J,)
+    J = taus.shape[1]
+    t = rearrange(taus, "m j -> (m j)")                                  # (M*J,) row m*J + j: pair j of sample m
     tb = t.view(-1, *([1] * (o.dim() - 1)))
-    o_rep = o.unsqueeze(1).expand_as(eps).reshape(M * J, *o.shape[1:])   # (M*J, ...) row m*J + j = o_m
-    x = (1 - tb) * o_rep + tb * eps.reshape(M * J, *o.shape[1:])
-    v = adapter.velocity(net, x, t, common.cond_repeat(cond, J))
-    return common.x0_prediction(x, v, t).view(M, J, *o.shape[1:])
+    x = (1 - tb) * repeat(o, "m ... -> (m j) ...", j=J) + tb * rearrange(eps, "m j ... -> (m j) ...")
+    v = adapter.velocity(net, x, t, common.cond_repeat(cond, J))        # cond_repeat: the same (m j) order
+    return rearrange(common.x0_prediction(x, v, t), "(m j) ... -> m j ...", j=J)
 
 
 def pair_losses(x_hat: torch.Tensor, o: torch.Tensor, self_normalize: bool = True) -> torch.Tensor:
@@ -249,7 +270,8 @@ def main(args: Args) -> dict:
     N = B * G                                                # samples per rank per iteration
     M = args.micro_batch
     if N % M:
-        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank (prompts-per-step/ranks x group-size)")
+        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank "
+                         f"(prompts-per-step/ranks x group-size)")
     if (N // M) % args.updates_per_rollout:
         raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
                          f"per rank; change it or --micro-batch")
@@ -283,10 +305,11 @@ def main(args: Args) -> dict:
     if start > args.iterations:
         raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    config = dataclasses.asdict(args)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
-    logger = common.Logger(run_dir, rt.is_main, args, args.wandb, start_iteration=start)
+        (run_dir / "args.json").write_text(json.dumps(config, indent=2))
+    logger = common.Logger(run_dir, rt.is_main, start, wandb_config=config if args.wandb else None)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
     # <<< shared: setup-run
@@ -318,20 +341,23 @@ def main(args: Args) -> dict:
             break
         # <<< shared: eval
 
-        # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO: one action] ----
+        # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO, one action] ----
+        # >>> shared: iteration-start
         tic = time.time()
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
-        gen = common.make_generator(args.seed, rt.rank, it)
+        gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        prompts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B] for _ in range(G)]  # (N,) prompt-major
-        cond = common.cond_repeat(adapter.encode([r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]), G)
+        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        # <<< shared: iteration-start
+        prompts = [p for p in texts for _ in range(G)]       # (N,) prompt-major: a group is G consecutive rows
+        cond = common.cond_repeat(adapter.encode(texts), G)
         transformer.eval()
         samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + M)),
                                                adapter.noise(M, gen), sigmas) for i in range(0, N, M)])  # (N, ...) o_i
         t_rollout = time.time() - tic
 
-        # [V-GRPO, group-shared stratified pairs; surrogate] pairs drawn per prompt (or batch); then L(theta_old)
-        # once, without grad, on those pairs - N_MC forwards per sample - keeping x_hat_old for the KL.
+        # [V-GRPO, group-shared timestep-noise pairs; ELBO surrogate] pairs drawn per prompt (or batch); then
+        # L(theta_old) once, without grad, on those pairs (N_MC forwards per sample), keeping x_hat_old for the KL.
         tic = time.time()
         pair_gen = common.make_generator(args.seed, it, BATCH_PAIRS_KEY) if args.share_pairs == "batch" else gen
         taus, eps = draw_pairs(pair_grid, J, B, G, adapter.noise, args.share_pairs, args.stratified, pair_gen)
@@ -347,19 +373,19 @@ def main(args: Args) -> dict:
         x_hat_old = torch.cat(x_hat_old) if x_hat_old else None
         t_surrogate_old = time.time() - tic
 
-        # ---- 3b. Rewards -> group-relative advantages (GRPO), optionally soft-clipped [V-GRPO, soft-clipping] ----
+        # ---- 3b. Rewards -> group-relative advantages, optionally soft-clipped [V-GRPO, advantage soft-clipping] ----
         tic = time.time()
         with torch.no_grad():
             images = torch.cat([adapter.decode(samples[i:i + M]) for i in range(0, N, M)])
             rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
         rewards = rewards.to(rt.device).float()
-        grouped = rewards.view(B, G)
+        grouped = rearrange(rewards, "(b g) -> b g", g=G)
         mean = grouped.mean(1, keepdim=True)
         if args.global_std:
             std = common.all_gather_cat(rewards).std()
         else:
             std = grouped.std(1, keepdim=True)
-        advantages = ((grouped - mean) / (std + 1e-4)).view(N)
+        advantages = rearrange((grouped - mean) / (std + 1e-4), "b g -> (b g)")
         if args.soft_clip > 0:
             advantages = soft_clip(advantages, args.soft_clip)
         else:
@@ -371,8 +397,8 @@ def main(args: Args) -> dict:
         transformer.train()
         order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
         per_update = (N // M) // args.updates_per_rollout
-        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "surrogate",
-                                 "grad_norm")}
+        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm",
+                                 "surrogate")}
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for j, mb in enumerate(chunk):
@@ -385,12 +411,13 @@ def main(args: Args) -> dict:
                     kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
                     loss = (pg + args.beta * kl).mean()
                     (loss / len(chunk)).backward()
-                stats["loss"].append(loss.item()), stats["pg_loss"].append(pg.mean().item())
-                stats["kl"].append(kl.mean().item()), stats["surrogate"].append(surrogate.mean().item())
-                stats["ratio_dev"].append((ratio - 1).abs().max().item())
-                stats["clip_frac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
-                stats["approx_kl"].append(0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean().item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and KL(theta||theta_old) = 0
+                step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
+                        "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
+                        "approx_kl": 0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(),
+                        "surrogate": surrogate.mean()}
+                for name, value in step.items():
+                    stats[name].append(value.item())
+            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
                 metrics["kl_first_update"] = max(stats["kl"])
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
@@ -404,7 +431,7 @@ def main(args: Args) -> dict:
         zero_std = (grouped.std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         work = common.work_done(adapter, reward_fn, work_before)
-        L_old = surrogate_old.view(B, G)
+        L_old = rearrange(surrogate_old, "(b g) -> b g", g=G)
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),

@@ -1,6 +1,7 @@
-"""Side-by-side benchmark of the four trainers: the same toy task, seeds, evaluation and budgets.
+"""Side-by-side benchmark of the trainers (flow_grpo.py and every file copied from it, found by its shared-block
+markers): the same toy task, seeds, evaluation and budgets.
 
-Every trainer runs at its own toy defaults (the recipe in its MODEL_DEFAULTS), and for every seed twice, each
+Every trainer runs at its own toy defaults (the defaults of its Args fields), and for every seed twice, each
 run a separate process on one CPU thread, `--jobs` of them at a time:
   - equal iterations: `--iterations N`, evaluated every N/4 iterations;
   - equal wall-clock: `--time-budget B` seconds of training (the trainers' time_s: rollouts, rewards and
@@ -36,8 +37,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
-COLORS = {"flow_grpo": (90, 90, 90), "v_grpo": (214, 39, 40), "g2rpo": (31, 119, 180), "pro_grpo": (44, 160, 44)}
+
+
+def find_trainers() -> list[str]:
+    """The trainers are the top-level files carrying the shared-block markers (a forked method joins by being
+    there); the baseline flow_grpo comes first."""
+    names = sorted(p.stem for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
+    return sorted(names, key=lambda name: name != "flow_grpo")
+
+
+METHODS = find_trainers()
+PALETTE = [(90, 90, 90), (214, 39, 40), (31, 119, 180), (44, 160, 44), (255, 127, 14), (148, 103, 189),
+           (140, 86, 75), (227, 119, 194)]
+KNOWN = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]      # the README plot's colours; a fork takes the next one
+COLORS = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(KNOWN + [m for m in METHODS if m not in KNOWN])}
 # --quick: tiny sizes that every trainer accepts (Pro-GRPO's funnel has to fit in its group)
 QUICK_SIZES = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
                "--eval-steps", "4"]
@@ -175,6 +188,11 @@ def plot(panels: list[dict], path: Path, title: str):
         font, small = ImageFont.load_default(size=17), ImageFont.load_default(size=14)
     except TypeError:                                       # Pillow < 10.1: the bitmap font
         font = small = ImageFont.load_default()
+    def pixels(ox, oy, xmax, ylo, yhi):
+        """A panel's maps from data to pixel coordinates."""
+        return (lambda x: ox + L + (x / xmax) * (W - L - R),
+                lambda y: oy + H - B - (y - ylo) / (yhi - ylo) * (H - T - B))
+
     img = Image.new("RGB", (W * len(panels), H + 40), "white")
     draw = ImageDraw.Draw(img)
     draw.text((12, 8), title, fill="black", font=font)
@@ -184,8 +202,7 @@ def plot(panels: list[dict], path: Path, title: str):
         xmax = max(b[0][-1] for _, b in series) or 1.0
         ylo, yhi = min(min(b[2]) for _, b in series), max(max(b[3]) for _, b in series)
         ylo, yhi = ylo - 0.05 * (yhi - ylo + 1e-3), yhi + 0.05 * (yhi - ylo + 1e-3)
-        X = lambda x: ox + L + (x / xmax) * (W - L - R)          # noqa: E731
-        Y = lambda y: oy + H - B - (y - ylo) / (yhi - ylo) * (H - T - B)  # noqa: E731
+        X, Y = pixels(ox, oy, xmax, ylo, yhi)
         draw.rectangle([X(0), Y(yhi), X(xmax), Y(ylo)], outline="black")
         for t in nice_ticks(0, xmax):
             draw.line([X(t), Y(ylo), X(t), Y(ylo) + 5], fill="black")
@@ -199,18 +216,19 @@ def plot(panels: list[dict], path: Path, title: str):
         draw.text((ox + L, oy + T - 26), panel["title"], fill="black", font=font)
         shade = Image.new("RGBA", img.size, (0, 0, 0, 0))
         sd = ImageDraw.Draw(shade)
-        for m, (xs, mean, lo, hi) in series:
+        for m, (xs, _, lo, hi) in series:
             sd.polygon([(X(x), Y(y)) for x, y in zip(xs, hi)] + [(X(x), Y(y)) for x, y in zip(xs[::-1], lo[::-1])],
                        fill=COLORS[m] + (50,))
         img.paste(Image.alpha_composite(img.convert("RGBA"), shade).convert("RGB"))
         draw = ImageDraw.Draw(img)
-        for m, (xs, mean, lo, hi) in series:
+        for m, (xs, mean, _, _) in series:
             draw.line([(X(x), Y(y)) for x, y in zip(xs, mean)], fill=COLORS[m], width=3, joint="curve")
         for i, m in enumerate(panel["curves"]):                  # legend, top left inside the axes
             lx, ly = X(0) + 12, Y(yhi) + 12 + 20 * i
             draw.line([lx, ly, lx + 24, ly], fill=COLORS[m], width=4)
             draw.text((lx + 30, ly), m, fill="black", font=small, anchor="lm")
-    draw.text((12, 8 + 20), "lines: mean over seeds; shaded: min to max over seeds; y: held-out reward (ODE, fixed seeds)",
+    draw.text((12, 8 + 20),
+              "lines: mean over seeds; shaded: min to max over seeds; y: held-out reward (ODE, fixed seeds)",
               fill=(90, 90, 90), font=small)
     img.save(path)
 
@@ -267,7 +285,8 @@ def main(argv=None):
 
     # 1. equal iterations, and the tiny-flux cost runs
     runs = run([job(m, "iterations", s, [*common_argv, *extra(m), "--seed", str(s), "--iterations", str(a.iterations),
-                                         "--eval-every", str(max(1, a.iterations // 4))]) for m in methods for s in seeds]
+                                         "--eval-every", str(max(1, a.iterations // 4))])
+                for m in methods for s in seeds]
                + [job(m, "tiny-flux", None, ["--model", "tiny-flux", "--iterations", str(a.tiny_iterations),
                                              "--eval-every", "0"]) for m in methods], "equal iterations + tiny-flux")
 
@@ -294,10 +313,12 @@ def main(argv=None):
     if "flow_grpo" in methods:
         summary["reach"] = reach(runs, methods)
         rows = [f"| {m} | " + (f"{p['iteration']:.0f} | {p['nfe']:.0f} | {p['time_s']:.0f} |" if p else
-                               f"not within {a.iterations} | | |") for m, p in summary["reach"].items() if m != "target"]
+                               f"not within {a.iterations} | | |")
+                for m, p in summary["reach"].items() if m != "target"]
         text += (f"\n\n### First evaluation reaching flow_grpo's reward after {a.iterations} iterations "
                  f"({summary['reach']['target']:.3f}, mean over seeds)\n\n"
-                 "| method | iteration | transformer evaluations | training seconds |\n|---|---|---|---|\n" + "\n".join(rows))
+                 "| method | iteration | transformer evaluations | training seconds |\n|---|---|---|---|\n"
+                 + "\n".join(rows))
     print("\n" + text)
     wall = time.time() - tic
     import torch
@@ -307,7 +328,8 @@ def main(argv=None):
     (out / "benchmark.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     curves = lambda mode, x: {m: [[(p[x], p["reward"]) for p in r["curve"]] for r in runs  # noqa: E731
                                   if r["method"] == m and r["mode"] == mode] for m in methods}
-    plot([{"title": f"equal iterations ({a.iterations})", "xlabel": "iteration", "curves": curves("iterations", "iteration")},
+    plot([{"title": f"equal iterations ({a.iterations})", "xlabel": "iteration",
+           "curves": curves("iterations", "iteration")},
           {"title": f"equal wall-clock ({a.budget:g} s)", "xlabel": "training seconds (1 CPU thread)",
            "curves": curves("clock", "time_s")},
           {"title": f"equal wall-clock ({a.budget:g} s)", "xlabel": "transformer evaluations (fwd + fwd+bwd)",

@@ -7,9 +7,8 @@ import sys
 
 from PIL import Image
 
+from benchmark import METHODS
 from helpers import ROOT, read_metrics
-
-METHODS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
 
 
 def test_quick_benchmark(tmp_path):

@@ -23,7 +23,8 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
 
 
-@pytest.mark.parametrize("model,extra", [("toy", []), ("tiny-sd3", ["--beta", "0.01"]), ("tiny-flux", ["--beta", "0.01"])])
+@pytest.mark.parametrize("model,extra", [("toy", []), ("tiny-sd3", ["--beta", "0.01"]),
+                                         ("tiny-flux", ["--beta", "0.01"])])
 def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """Before the first optimizer step the recomputed log-probs equal the rollout's: ratio exactly 1, and
     the KL of the policy to the reference (itself, before any update) exactly 0."""
@@ -97,7 +98,8 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(tmp_path):
     state.write_bytes(state.read_bytes()[:100])
     before = (r / "metrics.jsonl").read_text()
     with pytest.raises(RuntimeError, match="is unreadable.*resume from an earlier checkpoints/iter_"):
-        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--output-dir", str(r), "--resume", str(r), *SMALL])
+        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--output-dir", str(r), "--resume", str(r),
+                        *SMALL])
     assert (r / "metrics.jsonl").read_text() == before
 
 

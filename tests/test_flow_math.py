@@ -32,7 +32,7 @@ def test_log_prob_equals_torch_distributions():
 
 
 def test_sde_std_matches_paper_numbers():
-    # PAPERS-style check: SD3.5-M, T = 10, a = 0.7 -> std [.70, .74, .54, ...] (Flow-GRPO's official values)
+    # SD3.5-M, T = 10, a = 0.7 -> std [.70, .74, .54, ...]: the values of Flow-GRPO's official sampler
     sigmas = common.sd3_sigmas(10)
     _, std = common.sde_std(sigmas[:-1], sigmas[1:], 0.7, float(sigmas[1]))
     torch.testing.assert_close(std[:4], torch.tensor([0.70, 0.74, 0.54, 0.45]), atol=6e-3, rtol=0)
@@ -42,7 +42,8 @@ def test_kl_of_policy_to_itself_is_zero_and_matches_distributions():
     mean = torch.randn(3, 10)
     assert torch.equal(common.gaussian_kl(mean, mean, 0.3), torch.zeros(3))
     other = mean + 0.1 * torch.randn(3, 10)
-    ref = torch.distributions.kl_divergence(torch.distributions.Normal(mean, 0.3), torch.distributions.Normal(other, 0.3))
+    Normal = torch.distributions.Normal
+    ref = torch.distributions.kl_divergence(Normal(mean, 0.3), Normal(other, 0.3))
     torch.testing.assert_close(common.gaussian_kl(mean, other, 0.3), ref.mean(1))
 
 
@@ -90,7 +91,7 @@ def test_schedules_match_diffusers_scheduler():
     import numpy as np
     flux.set_timesteps(sigmas=np.linspace(1.0, 1 / 6, 6), mu=mu)
     torch.testing.assert_close(common.flux_sigmas(6, 1024), flux.sigmas.float(), atol=1e-6, rtol=0)
-    # PAPERS/official grids: FLUX at 512^2, T = 6 -> [1, .904, .790, .652, .484, .273, 0]
+    # the official grids: FLUX at 512^2, T = 6 -> [1, .904, .790, .652, .484, .273, 0]
     torch.testing.assert_close(common.flux_sigmas(6, 1024), torch.tensor([1, .904, .790, .652, .484, .273, 0]),
                                atol=1.5e-3, rtol=0)
 

@@ -40,48 +40,69 @@ def test_continuation_grid_matches_hand_examples():
     assert g2rpo.continuation_grid(16, 15, 1) == [16]  # the SDE step itself lands on t = 0
 
 
-@pytest.mark.parametrize("micro_batch", [1, 5, 1000])
-def test_batched_continuations_equal_one_branch_at_a_time(micro_batch):
-    """Every row and stride, batched with shared prefixes, equals the official loop run on its own."""
+def test_continuations_equal_the_official_loop_one_branch_at_a_time():
+    """Every row and stride, with the shared first step, equals the official loop run on its own, for every k
+    including k = T-2 (one step left) and k = T-1 (the SDE step landed on t = 0)."""
     T, strides = 8, [1, 2, 3]
     sigmas = common.uniform_sigmas(T, 3.0)
-    ks = torch.tensor([0, 1, 2, 3, 5, 6, 7, 2])  # includes k = T-2 (one step left) and k = T-1 (none)
-    z = torch.randn(len(ks), 4, 3, generator=torch.Generator().manual_seed(0))
-    out = g2rpo.continue_ode(lambda x, t, rows: fake_velocity(x, t), z, ks, sigmas, strides, micro_batch)
-    assert out.shape == (len(ks), len(strides), 4, 3)
-    for r, k in enumerate(ks.tolist()):
-        for l, s in enumerate(strides):
-            torch.testing.assert_close(out[r, l], reference_continuation(z[r], k, sigmas, s), rtol=1e-5, atol=1e-5)
+    for k in range(T):
+        z = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(k))
+        out = g2rpo.continue_ode(lambda x, i, cond: fake_velocity(x, sigmas[i].expand(len(x))), z, {}, k, sigmas,
+                                 strides)
+        assert out.shape == (5, len(strides), 4, 3)
+        for r in range(len(z)):
+            for l, s in enumerate(strides):
+                torch.testing.assert_close(out[r, l], reference_continuation(z[r], k, sigmas, s), rtol=1e-5, atol=1e-5)
 
 
 def test_continuation_evaluations_at_the_paper_setting():
-    """T = 16, M = 0..7, Lambda = {1, 2}, one branch per k: the paper's count (PAPERS §4.4) is 92 evaluations at
-    stride 1 plus 48 steps and 4 x0-jumps at stride 2 = 144; sharing t_{k+1} and t_{k+2} saves 2 per k -> 128."""
-    calls = []
+    """T = 16, M = 0..7, Lambda = {1, 2}, one branch per k: the paper's count is 92 evaluations at stride 1 plus
+    48 steps and 4 x0-jumps at stride 2 = 144; sharing t_{k+1} and t_{k+2} saves 2 per k -> 128."""
+    rows, sigmas = [], common.uniform_sigmas(16, 3.0)
 
-    def velocity(x, t, rows):
-        calls.append(len(x))
-        return fake_velocity(x, t)
+    def velocity(x, i, cond):
+        rows.append(len(x))
+        return fake_velocity(x, sigmas[i].expand(len(x)))
 
-    g2rpo.continue_ode(velocity, torch.zeros(8, 2), torch.arange(8), common.uniform_sigmas(16, 3.0), [1, 2], 6)
-    assert sum(calls) == 144 - 16
-    assert max(calls) <= 6
+    for k in range(8):
+        g2rpo.continue_ode(velocity, torch.zeros(1, 2), {}, k, sigmas, [1, 2])
+    assert sum(rows) == 144 - 16
+
+
+def test_rollout_forwards_respect_the_micro_batch(tmp_path, monkeypatch):
+    """--micro-batch bounds the rows of every transformer call: anchor and update (prompts), continuations
+    (branches). 3 prompts x 4 branches with micro-batch 5: continuations of 12 rows go as 5 + 5 + 2."""
+    sizes, real = [], common.FluxFamilyAdapter.velocity
+
+    def spy(self, net, x, t, cond):
+        sizes.append(len(x))
+        return real(self, net, x, t, cond)
+
+    monkeypatch.setattr(common.FluxFamilyAdapter, "velocity", spy)
+    run(g2rpo, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
+                "--prompts-per-step", "3", "--group-size", "4", "--sample-steps", "4", "--micro-batch", "5",
+                "--threads", "1"])
+    assert max(sizes) == 5 and 2 in sizes and 3 in sizes    # 3: the anchor's and the update's prompt rows
 
 
 def test_singular_sde_step_is_the_flow_grpo_step_with_only_the_noise_differing():
     t, s, a, G = 0.8, 0.7, 0.7, 4
     z = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
     v = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2))
-    nxt, lp = g2rpo.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9, common.make_generator(7))
+    nxt, lp, mu, _ = g2rpo.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9,
+                                             common.make_generator(7))
     assert nxt.shape == (2, G, 5, 3) and lp.shape == (2, G)
-    g = a * math.sqrt(t / (1 - t))                                        # Flow-GRPO eq. 9, written out
-    mean = z + (v + g**2 / (2 * t) * (z + (1 - t) * v)) * (s - t)       # Flow-GRPO eq. 12
+    g = a * math.sqrt(t / (1 - t))                                        # sigma_t below [Flow-GRPO Eq. 9]
+    mean = z + (v + g**2 / (2 * t) * (z + (1 - t) * v)) * (s - t)       # [Flow-GRPO Eq. 9], written out
     std = g * math.sqrt(t - s)
     noise = torch.randn(2 * G, 5, 3, generator=common.make_generator(7)).view(2, G, 5, 3)
     torch.testing.assert_close(nxt, mean[:, None] + std * noise, rtol=1e-5, atol=1e-5)
     hand_lp = (-noise**2 / 2 - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(2).mean(2)
     torch.testing.assert_close(lp, hand_lp, rtol=1e-5, atol=1e-5)
     assert (nxt[:, 0] != nxt[:, 1]).all()
+    torch.testing.assert_close(mu, mean, rtol=1e-5, atol=1e-5)                 # one mean, shared by the branches
+    _, lp_again, _, _ = g2rpo.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9, next_x=nxt)
+    assert torch.equal(lp_again, lp)                     # scoring the drawn branches gives back their log-prob
 
 
 def z_score_by_hand(values):

@@ -26,7 +26,7 @@ def test_ovf_matches_brute_force_over_all_subsets(discrete):
     """For every n <= 12 and every k, the chosen subset's variance equals the best over all C(n, k) subsets."""
     g = torch.Generator().manual_seed(0)
     for n in range(1, 13):
-        for trial in range(3):
+        for _ in range(3):
             r = (torch.randint(0, 3, (n,), generator=g) / 2.0) if discrete else torch.randn(n, generator=g).exp()
             vals = r.tolist()
             for k in range(1, n + 1):
@@ -183,7 +183,7 @@ def test_bad_funnel_and_sizes(tmp_path):
         run(pro_grpo, [*base, "--checkpoints", "1"])
     with pytest.raises(ValueError, match="--funnel '4,2' must decrease strictly from --group-size 4"):
         run(pro_grpo, [*base, "--funnel", "4,2"])
-    with pytest.raises(ValueError, match="--checkpoints '1,4' must be increasing steps in \\[0, 3\\]"):
-        run(pro_grpo, [*base, "--checkpoints", "1,4"])
+    with pytest.raises(ValueError, match="--checkpoints '1,5' must be increasing steps in \\[0, 4\\]"):
+        run(pro_grpo, [*base, "--checkpoints", "1,5"])
     with pytest.raises(ValueError, match="--micro-batch 3 must divide the 4 trained samples"):
         run(pro_grpo, [*base, "--micro-batch", "3"])

@@ -1,13 +1,16 @@
 """Every trainer is a copy of flow_grpo.py: the blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME`
-must stay verbatim (like diffusers' "Copied from" check), trainers import only common, and stay readable."""
+must stay verbatim (like diffusers' "Copied from" check), trainers import only common, and stay readable.
+A trainer is any top-level .py file with the shared markers, so a forked method is checked without listing it."""
+import dataclasses
+import importlib
 import re
 
 import pytest
 
 from helpers import ROOT
 
-TRAINERS = ["pro_grpo.py", "g2rpo.py", "v_grpo.py"]
-SHARED = {"args", "setup-model", "setup-run", "eval", "checkpoint"}
+SHARED = {"args", "setup-model", "setup-run", "eval", "iteration-start", "checkpoint"}
+TRAINERS = sorted(p.name for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
 
 
 def shared_blocks(path) -> dict[str, str]:
@@ -18,26 +21,47 @@ def shared_blocks(path) -> dict[str, str]:
     return blocks
 
 
+def test_trainers_are_found_by_their_markers():
+    assert {"flow_grpo.py", "pro_grpo.py", "g2rpo.py", "v_grpo.py"} <= set(TRAINERS)
+    assert "common.py" not in TRAINERS
+    import benchmark                                   # the benchmark compares the same trainers
+    assert sorted(benchmark.METHODS) == sorted(name.removesuffix(".py") for name in TRAINERS)
+    assert benchmark.METHODS[0] == "flow_grpo"         # the baseline comes first
+
+
 def test_flow_grpo_marks_the_shared_blocks():
     assert set(shared_blocks(ROOT / "flow_grpo.py")) == SHARED
 
 
-@pytest.mark.parametrize("name", TRAINERS)
+@pytest.mark.parametrize("name", [t for t in TRAINERS if t != "flow_grpo.py"])
 def test_shared_blocks_are_verbatim_copies(name):
-    path = ROOT / name
-    if not path.exists():
-        pytest.skip(f"{name} not written yet")
-    ours, base = shared_blocks(path), shared_blocks(ROOT / "flow_grpo.py")
+    ours, base = shared_blocks(ROOT / name), shared_blocks(ROOT / "flow_grpo.py")
     assert set(ours) == SHARED
     for block in SHARED:
         assert ours[block] == base[block], f"{name}: shared block '{block}' differs from flow_grpo.py"
 
 
-@pytest.mark.parametrize("name", ["flow_grpo.py", *TRAINERS])
+@pytest.mark.parametrize("name", TRAINERS)
 def test_trainer_is_self_contained_and_short(name):
-    path = ROOT / name
-    if not path.exists():
-        pytest.skip(f"{name} not written yet")
-    text = path.read_text()
+    text = (ROOT / name).read_text()
     assert len(text.splitlines()) < 1000
-    assert not re.search(r"^(from|import) (flow_grpo|pro_grpo|g2rpo|v_grpo)\b", text, flags=re.M)
+    others = "|".join(t.removesuffix(".py") for t in TRAINERS)
+    assert not re.search(rf"^(from|import) ({others})\b", text, flags=re.M)
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_model_tables_hold_only_what_differs(name):
+    """MODEL_DEFAULTS overrides Args fields for flux / sd3 (and "tiny"), one key per line, and holds a key only when
+    its value differs from the toy default on the field: the table reads as the list of full-scale changes."""
+    module = importlib.import_module(name.removesuffix(".py"))
+    fields = {f.name: f.default for f in dataclasses.fields(module.Args)}
+    assert set(module.MODEL_DEFAULTS) <= {"sd3", "flux", "tiny"}
+    for model, table in module.MODEL_DEFAULTS.items():
+        for key, value in table.items():
+            assert key in fields, f"{name}: MODEL_DEFAULTS[{model!r}] sets {key!r}, which is not an Args field"
+            if model != "tiny":
+                assert value != fields[key], f"{name}: MODEL_DEFAULTS[{model!r}][{key!r}] repeats the toy default"
+    text = (ROOT / name).read_text()
+    table = text[text.index("MODEL_DEFAULTS = {"):text.index("\n}\n", text.index("MODEL_DEFAULTS = {"))]
+    for line in table.splitlines()[1:]:
+        assert line.count('": ') <= 1, f"{name}: one key per line in MODEL_DEFAULTS: {line.strip()}"

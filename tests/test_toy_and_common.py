@@ -1,4 +1,5 @@
 """The toy world's renderer and reward, prompts, rewards and the CLI."""
+import dataclasses
 import json
 
 import numpy as np
@@ -47,6 +48,16 @@ def test_toy_pack_roundtrip_and_tokenizer():
     assert mask.sum(1).tolist() == [5, 5]
 
 
+def test_toy_packing_is_fluxs_latent_packing():
+    """The toy packs pixels into tokens exactly as FluxPipeline packs latents (the shipped weights depend on it)."""
+    from diffusers import FluxPipeline
+    imgs = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(common.toy_pack(imgs), FluxPipeline._pack_latents(imgs * 2 - 1, 2, 3, 16, 16))
+    tokens = torch.randn(2, 64, 12, generator=torch.Generator().manual_seed(1))
+    unpacked = FluxPipeline._unpack_latents(tokens, 16, 16, 1)
+    assert torch.equal(common.toy_unpack(tokens), ((unpacked + 1) / 2).clamp(0, 1))
+
+
 def test_load_prompts_text_jsonl_and_errors(tmp_path):
     (tmp_path / "p.txt").write_text("\n".join(f"prompt {i}" for i in range(20)) + "\n")
     train, evals = common.load_prompts(str(tmp_path / "p.txt"), "sd3")
@@ -84,7 +95,8 @@ def _tiny_clip(path):
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4,
                                         image_size=32, patch_size=8), projection_dim=16)
     CLIPModel(cfg).save_pretrained(path)
     proc = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -118,3 +130,33 @@ def test_cli_help_lists_every_field(capsys):
         assert "--" + f.replace("_", "-") in out
     args = common.cli(flow_grpo.Args, ["--model", "sd3", "--no-ema", "--lr", "1e-5"], flow_grpo.MODEL_DEFAULTS)
     assert args.ema is False and args.lr == 1e-5 and args.group_size == 24 and args.guidance_scale == 4.5
+
+
+def test_cli_defaults_are_the_toy_run_and_the_model_table_overrides_them():
+    import flow_grpo
+    toy = flow_grpo.Args()
+    assert common.cli(flow_grpo.Args, [], flow_grpo.MODEL_DEFAULTS) == toy     # no flags: the Args fields
+    flux = common.cli(flow_grpo.Args, ["--model", "flux"], flow_grpo.MODEL_DEFAULTS)
+    for name, default in dataclasses.asdict(toy).items():
+        expected = flow_grpo.MODEL_DEFAULTS["flux"].get(name, default)
+        assert getattr(flux, name) == ("flux" if name == "model" else expected), name
+
+
+def test_cli_tiny_models_are_their_family_at_smoke_run_sizes():
+    import pro_grpo
+    args = common.cli(pro_grpo.Args, ["--model", "tiny-sd3", "--iterations", "5"], pro_grpo.MODEL_DEFAULTS)
+    sd3 = pro_grpo.MODEL_DEFAULTS["sd3"]
+    assert args.iterations == 5                                                     # the command line wins
+    assert args.beta == sd3["beta"] and args.guidance_scale == sd3["guidance_scale"]  # the family's settings
+    assert args.resolution == common.TINY_DEFAULTS["resolution"] and args.lora_rank == 4  # smoke-run sizes
+    assert (args.group_size, args.funnel) == (4, "3,2")                             # the trainer's "tiny" entry
+
+
+def test_cli_help_shows_the_defaults_of_the_chosen_model(capsys):
+    import flow_grpo
+    for model, noise in [("toy", 0.7), ("flux", 0.9)]:
+        with pytest.raises(SystemExit):
+            common.cli(flow_grpo.Args, ["--model", model, "--help"], flow_grpo.MODEL_DEFAULTS)
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"Defaults shown are those of --model {model}" in out
+        assert f"--noise-level NOISE_LEVEL SDE noise level a in g = a sqrt(t / (1 - t)) (default: {noise})" in out

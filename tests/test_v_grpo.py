@@ -104,7 +104,8 @@ def test_times_are_stratified_one_per_chunk_and_uniform_inside_it():
             p = 1 / len(chunk)
             assert abs(h - n * p) < 5 * math.sqrt(n * p * (1 - p))
     # without stratification some sets put two times in one chunk: the check above can fail
-    flat = v_grpo.stratified_times(common.uniform_sigmas(10), 4, 200, torch.Generator().manual_seed(0), stratified=False)
+    flat = v_grpo.stratified_times(common.uniform_sigmas(10), 4, 200, torch.Generator().manual_seed(0),
+                                   stratified=False)
     chunk_of = lambda t: next(k for k, c in enumerate(chunks) if any(abs(t - x) < 1e-6 for x in c))  # noqa: E731
     assert any(len({chunk_of(t) for t in row.tolist()}) < 4 for row in flat)
 
@@ -162,7 +163,7 @@ def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extr
                  "--updates-per-rollout", "2", "--beta", "0.3", *extra])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
-    J = v_grpo.MODEL_DEFAULTS[model]["mc_pairs"]
+    J = common.cli(v_grpo.Args, ["--model", model], v_grpo.MODEL_DEFAULTS).mc_pairs
     for m in lines[:2]:
         assert all(math.isfinite(m[k]) for k in ("loss", "reward_mean", "grad_norm", "surrogate_old", "kl"))
         assert m["ratio_dev_first_update"] == 0.0 and m["kl_first_update"] == 0.0
