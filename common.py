@@ -26,7 +26,9 @@ import json
 import math
 import os
 import random
+import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -204,6 +206,74 @@ def cleanup_runtime():
         dist.destroy_process_group()
 
 
+class UsageError(ValueError):
+    """Bad input: the message says which flag or file to change. `python <trainer>.py` prints it as one line."""
+
+
+class TrainingStopped(RuntimeError):
+    """The run ended early on purpose (a signal, non-finite steps, a failed write), with a message that says what
+    was saved and how to go on; `exit_code` is the process's exit status."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def at_least(minimum: float, **flags):
+    """Raises a UsageError naming the first flag whose value is not a finite number >= minimum."""
+    for name, value in flags.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= minimum):
+            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {minimum}")
+
+
+def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
+    """`python <trainer>.py ...`: parses the command line, runs main with SIGTERM / SIGINT turned into a request
+    to checkpoint and stop (`signalled`), and reports a UsageError or TrainingStopped as one line on stderr,
+    exiting with status 2 or the stop's status, without a traceback."""
+    prog = Path(sys.argv[0]).name
+    handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        main(cli(args_cls, argv, model_defaults))
+    except UsageError as e:
+        print0(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingStopped as e:
+        print0(f"{prog}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        cleanup_runtime()
+
+
+_SIGNALLED = {"signum": 0}
+
+
+def _on_signal(signum, frame):
+    if _SIGNALLED["signum"]:  # a second signal: stop now
+        raise KeyboardInterrupt
+    _SIGNALLED["signum"] = signum
+    print(f"\n{signal.Signals(signum).name} received: the run will checkpoint and stop at the next safe point "
+          f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+
+def signalled(device) -> int:
+    """The number of a SIGTERM / SIGINT received by any rank since the start, else 0; all ranks agree."""
+    got = torch.tensor([float(_SIGNALLED["signum"])], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    return int(got.item())
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank (identity on one process)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def field(default, help: str, **kwargs):
     """A dataclass field with a help string, shown by `--help`."""
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
@@ -361,12 +431,13 @@ def instrument(adapter):
     return adapter
 
 
-def work_done(adapter, reward_fn, before: dict) -> dict:
-    """Per-iteration work since `before` (a snapshot of adapter.counts plus reward_fn.calls): transformer
-    evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad (nfe_fwd_bwd: each
-    also has a backward pass), VAE decodes and images scored."""
-    now = {**adapter.counts, "reward_calls": reward_fn.calls}
-    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls"}
+def work_done(adapter, reward_fn, before: dict, guard) -> dict:
+    """Per-iteration work since `before` (a snapshot of adapter.counts, reward_fn.calls and guard.skipped):
+    transformer evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad
+    (nfe_fwd_bwd: each also has a backward pass), VAE decodes, images scored, optimizer steps skipped."""
+    now = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
+             "skipped_steps": "skipped_steps"}
     return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
 
 
@@ -602,6 +673,42 @@ class EMA:
         self.num_updates = sd["num_updates"]
 
 
+def finite(tensors: list[torch.Tensor], device) -> bool:
+    """True if every tensor on every rank holds only finite numbers."""
+    ok = torch.tensor([float(all(bool(torch.isfinite(x.detach()).all()) for x in tensors))], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+class StepGuard:
+    """The optimizer step, skipped on every rank when the gradient norm is NaN or inf on any rank: a non-finite
+    reward, advantage or loss shows there. Counts the skips (`skipped`) and stops the run after `max_bad`
+    non-finite steps in a row, before anything non-finite is saved."""
+
+    def __init__(self, max_bad: int, device):
+        self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
+
+    def step(self, optimizer, params: list, grad_clip: float) -> tuple[bool, float]:
+        """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        finite = torch.isfinite(norm.detach()).float().reshape(1).to(self.device)
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        stepped = bool(finite.item())
+        if stepped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.in_a_row = 0 if stepped else self.in_a_row + 1
+        self.skipped += not stepped
+        if self.in_a_row >= self.max_bad:
+            raise TrainingStopped(f"{self.in_a_row} optimizer steps in a row had a NaN or inf gradient norm (from a "
+                                  f"non-finite reward, loss or gradient) and were skipped; nothing was saved after "
+                                  f"the last checkpoint. Resume from it with a smaller --lr or a fixed reward, or "
+                                  f"raise --max-bad-steps")
+        return stepped, norm.item()
+
+
 # =============================================================================================
 # 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts) -> (N,) float32
 # =============================================================================================
@@ -716,14 +823,15 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         name, _, w = part.partition(":")
         name = name.strip().lower()
         if name not in REWARDS or name in dict(out):
-            raise ValueError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
+            raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
                              f"known rewards: {', '.join(REWARDS)}")
         try:
             weight = float(w) if w else 1.0
-            assert math.isfinite(weight)
-            out.append((name, weight))
-        except (ValueError, AssertionError):
-            raise ValueError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number") from None
+        except ValueError:
+            weight = math.nan
+        if not math.isfinite(weight):
+            raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
+        out.append((name, weight))
     return out
 
 
@@ -750,10 +858,11 @@ def build_reward(spec: str, device="cpu") -> WeightedReward:
 # 5. Prompts
 # =============================================================================================
 def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
-    """Returns (train, eval) lists of records {"prompt": str, ...metadata}. `path` is a text file (one prompt a
-    line) or a .jsonl file (one object a line with a "prompt" key and optional "split": "train"/"eval").
+    """Returns (train, eval) lists of records {"prompt": str, ...metadata}. `path` is a UTF-8 text file (one prompt
+    a line) or a .jsonl file (one object a line with a "prompt" key and optional "split": "train"/"eval").
     Without a "split" field, a fixed every-k-th line goes to eval. With no path: the toy grammar (train and
-    evaluate on the held-out pairs) for the toy model, else assets/prompts.txt."""
+    evaluate on the held-out pairs) for the toy model, else assets/prompts.txt. Bad files raise a UsageError
+    that names the file and line."""
     if path is None:
         if model == "toy":
             recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
@@ -761,25 +870,41 @@ def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tu
         path = str(ASSETS / "prompts.txt")
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt "
-                                f"a line) or .jsonl (objects with a 'prompt' key) file")
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    if p.suffix == ".jsonl":
-        recs = []
-        for i, ln in enumerate(lines):
-            try:
-                rec = json.loads(ln)
-                assert isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
-            except Exception:
-                raise ValueError(f"{path}:{i + 1} is not a JSON object with a string 'prompt' key") from None
-            recs.append(rec)
-    else:
-        recs = [{"prompt": ln.strip()} for ln in lines]
+        raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
+                         f".jsonl (objects with a 'prompt' key) file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}): save it as UTF-8") from None
+    numbered = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]  # 1-based file line numbers
+    recs = []
+    for n, ln in numbered:
+        if p.suffix != ".jsonl":
+            recs.append({"prompt": ln.strip()})
+            continue
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError:
+            rec = None
+        if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
+            raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
+        if rec.get("split", "train") not in ("train", "eval"):
+            raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
+        recs.append(rec)
     if not recs:
-        raise ValueError(f"prompt file {path!r} holds no prompts")
+        raise UsageError(f"prompt file {path!r} holds no prompts")
+    if model == "toy":  # the toy reward reads colour and shape from the prompt: check them now, not mid-run
+        for (n, _), rec in zip(numbered, recs):
+            if not all(toy_parse_or_none(rec["prompt"])):
+                raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
+                                 f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
     if any("split" in r for r in recs):
         train = [r for r in recs if r.get("split", "train") == "train"]
         evals = [r for r in recs if r.get("split") == "eval"]
+        if not train:
+            raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
+                             f"without a split train too)")
     else:
         k = max(2, round(1 / eval_fraction))
         evals = recs[::k] if len(recs) >= 2 else recs
@@ -800,36 +925,62 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 # 6. Logging and checkpoints
 # =============================================================================================
 class Logger:
-    """One JSON line per iteration in metrics.jsonl, one line on stdout, and Weights & Biases when given a
-    `wandb_config` (the run's settings); the main process only."""
+    """One JSON line per iteration in metrics.jsonl (NaN and inf written as null), one line on stdout, and
+    Weights & Biases when given a `wandb_config` (the run's settings); the main process only.
 
-    def __init__(self, run_dir: Path, is_main: bool, start_iteration: int = 0, wandb_config: dict | None = None):
-        self.is_main, self.path, self.wandb = is_main, Path(run_dir) / "metrics.jsonl", None
-        if not is_main:
-            return
-        if self.path.exists():  # a resumed run: keep the lines up to the checkpoint, drop later ones
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln and json.loads(ln)["iteration"] < start_iteration]
-            write_atomic(self.path, "".join(ln + "\n" for ln in kept))
-        if wandb_config is not None:
+    A run resumed from iteration `start` rewrites history only once it has new work to show: the first line
+    logged moves the folder's lines from `start` on (and any line that is not valid JSON, such as a line cut
+    short by a kill) to superseded.jsonl and its checkpoints after `start` to checkpoints/superseded-<time>/.
+    A new folder resuming another run's checkpoint starts from that run's lines before `start` (`history`)."""
+
+    def __init__(self, run_dir: Path, is_main: bool, start_iteration: int = 0, wandb_config: dict | None = None,
+                 history: list[str] | None = None):
+        self.is_main, self.run_dir, self.path = is_main, Path(run_dir), Path(run_dir) / "metrics.jsonl"
+        self.start, self.history, self.first, self.wandb = start_iteration, history or [], True, None
+        if is_main and wandb_config is not None:
             import wandb
-            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=Path(run_dir).name)
+            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=self.run_dir.name)
 
     def log(self, metrics: dict):
         if not self.is_main:
             return
-        metrics = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "time_s"]
+        metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
+                   for k, v in metrics.items()}
+        line = json.dumps(metrics, allow_nan=False)
+        if self.first:
+            self.first = False
+            kept, moved = [], []
+            for ln in self.path.read_text().splitlines() if self.path.exists() else self.history:
+                it = _iteration(ln)
+                if ln.strip():
+                    (kept if it is not None and it < self.start else moved).append(ln)
+            if moved:
+                with open(self.run_dir / "superseded.jsonl", "a") as f:
+                    f.write("".join(ln + "\n" for ln in moved))
+            supersede_checkpoints(self.run_dir, self.start)
+            write_atomic(self.path, "".join(ln + "\n" for ln in [*kept, line]))
+        else:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "skipped_steps", "time_s"]
         from tqdm import tqdm
-        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics))
+        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
+                                                                if isinstance(metrics.get(k), (int, float))))
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["iteration"])
 
 
+def _iteration(line: str) -> int | None:
+    """The iteration of a metrics.jsonl line, None if the line is not a JSON object with one."""
+    try:
+        value = json.loads(line).get("iteration")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def write_atomic(path: Path, text: str):
-    tmp = Path(str(path) + ".tmp")
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -849,44 +1000,92 @@ def save_image_grid(images: torch.Tensor, path: Path, nrow: int | None = None):
     img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
 
 
-def make_run_dir(output_dir: str | None, method: str, model: str, resume: str | None) -> Path:
-    """The run folder. A new run never writes into a folder that already holds a run."""
-    if output_dir is None:
-        output_dir = f"runs/{method}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(output_dir)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, "
-                              f"or a new --output-dir")
-    return run_dir
+@dataclasses.dataclass
+class Run:
+    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start), its iteration,
+    and the metrics lines a new folder starts from when it continues another run's checkpoint."""
+    dir: Path
+    checkpoint: Path | None = None
+    start: int = 0
+    history: list[str] = dataclasses.field(default_factory=list)
 
 
-def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float = 0.0) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN atomically (a temp folder renamed into place):
-      - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
-        or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
-        on, these hold the EMA weights;
-      - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds,
-        for --resume."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"iter_{iteration:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
-    transformer = adapter.transformer
-    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-        if lora:
-            from peft.utils import get_peft_model_state_dict
-            adapter.save_lora(tmp, get_peft_model_state_dict(transformer))
-        else:
-            transformer.save_pretrained(tmp / "transformer")
-    torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
-                "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None, "elapsed": elapsed},
-               tmp / "training_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_atomic(ckpt_root / "latest", final.name)
-    return final
+def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:
+    """Decides the run folder and the checkpoint to resume, before any model loads, and claims the folder
+    (rank 0 decides, every rank gets the answer or the same UsageError):
+      - a fresh run takes a new folder: --output-dir, or runs/<trainer>-<model>-<time>-<random> by default;
+        a folder that already holds a run is refused;
+      - --resume <run or checkpoint folder> continues in --output-dir (default: the checkpoint's own run folder),
+        which must be that run's folder or hold no run; the checkpoint must match `meta` (trainer, model, LoRA
+        rank and alpha, EMA);
+      - --resume auto continues the newest complete checkpoint in --output-dir, or starts fresh there.
+    The folder must be writable; stale temporary checkpoint folders are removed; args.json gets `config` (an
+    earlier, different one is kept in args_history.jsonl)."""
+    run = None
+    if rt.is_main:
+        try:
+            run = _prepare_run(output_dir, resume, meta, config)
+        except UsageError as e:
+            run = e
+    run = broadcast_object(run)
+    if isinstance(run, UsageError):
+        raise run
+    return run
+
+
+def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict) -> Run:
+    checkpoint = None
+    if resume == "auto":
+        if output_dir is None:
+            raise UsageError("--resume auto continues the run in --output-dir: pass the same --output-dir on every "
+                             "restart")
+        checkpoint = newest_checkpoint(Path(output_dir))
+    elif resume:
+        checkpoint = find_checkpoint(resume)
+    in_run = checkpoint is not None and checkpoint.parent.name == "checkpoints"
+    source = checkpoint.parent.parent if in_run else None     # the run folder the checkpoint belongs to
+    if output_dir is not None:
+        run_dir = Path(output_dir)
+    elif source is not None:
+        run_dir = source
+    else:  # a new default folder, claimed by creating it: two runs started in the same second get two folders
+        while True:
+            run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
+                                     f"{secrets.token_hex(3)}"
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+    holds_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir()
+    own_folder = source is not None and source.resolve() == run_dir.resolve()
+    if holds_run and not own_folder and resume != "auto":
+        if checkpoint is None:
+            raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
+                             f"--output-dir")
+        raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in its own folder (leave out "
+                         f"--output-dir) or in an empty --output-dir")
+    run = Run(run_dir)
+    if checkpoint is not None:
+        run.checkpoint, run.start = checkpoint, check_checkpoint(checkpoint, meta)
+        if source is not None and not own_folder and (source / "metrics.jsonl").exists():  # continuing elsewhere
+            run.history = (source / "metrics.jsonl").read_text().splitlines()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to the run folder {run_dir} ({e.strerror}): pass a writable --output-dir") \
+            from None
+    for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    args_file, text = run_dir / "args.json", json.dumps(config, indent=2)
+    if args_file.exists() and args_file.read_text() != text:
+        with open(run_dir / "args_history.jsonl", "a") as f:
+            f.write(json.dumps(json.loads(args_file.read_text())) + "\n")
+    write_atomic(args_file, text)
+    return run
 
 
 def find_checkpoint(path: str) -> Path:
@@ -895,23 +1094,116 @@ def find_checkpoint(path: str) -> Path:
     if (p / "checkpoints" / "latest").is_file():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
     if not (p / "training_state.pt").is_file():
-        raise FileNotFoundError(f"--resume {path}: no training_state.pt there; pass a run folder or one of its "
-                                f"checkpoints/iter_* folders")
+        raise UsageError(f"--resume {path}: no checkpoint there; pass a run folder or one of its "
+                         f"checkpoints/iter_* folders")
     return p
 
 
-def load_checkpoint(path: str, params: list, optimizer, ema: EMA | None) -> tuple[int, float]:
-    """Restores the trainable parameters, optimizer and EMA; returns (iteration to continue from, elapsed s)."""
-    ckpt = find_checkpoint(path)
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The latest complete checkpoint of a run folder (checkpoint folders are renamed into place only when
+    complete), or None."""
+    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "training_state.pt").is_file())
+    return done[-1] if done else None
+
+
+def check_checkpoint(checkpoint: Path, meta: dict) -> int:
+    """Refuses a checkpoint made by another trainer, model, LoRA rank or alpha, or without the EMA this run
+    wants; returns its iteration (-1 for a checkpoint without checkpoint.json, known once loaded)."""
+    info_file = checkpoint / "checkpoint.json"
+    if not info_file.is_file():
+        return -1
+    info = json.loads(info_file.read_text())
+    for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
+                      ("lora_alpha", "--lora-alpha"), ("ema", "--ema")]:
+        theirs, ours = info.get(key), meta[key]
+        if theirs is None or theirs == ours or (key == "lora_alpha" and not meta["lora_rank"]):
+            continue
+        if key == "trainer":
+            raise UsageError(f"checkpoint {checkpoint} was trained by {theirs}.py, not {ours}.py: resume it with "
+                             f"{theirs}.py")
+        if key == "ema":
+            fix = "drop --ema (its EMA would start from the checkpoint's weights)" if ours else "pass --ema"
+            raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} EMA and this "
+                             f"run has {'--ema' if ours else '--no-ema'}: {fix}")
+        raise UsageError(f"checkpoint {checkpoint} has {flag} {theirs}, this run {ours}: pass {flag} {theirs}")
+    return info["iteration"]
+
+
+def supersede_checkpoints(run_dir: Path, start: int):
+    """Moves the checkpoints after iteration `start` to checkpoints/superseded-<time>/ and points `latest` at
+    start's checkpoint: a run resumed from an earlier checkpoint continues from there, nothing is deleted."""
+    root = Path(run_dir) / "checkpoints"
+    later = [p for p in root.glob("iter_*") if int(p.name.removeprefix("iter_")) > start]
+    if not later:
+        return
+    aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for p in later:
+        os.replace(p, aside / p.name)
+    if (root / f"iter_{start:06d}").is_dir():
+        write_atomic(root / "latest", f"iter_{start:06d}")
+
+
+def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
+                    elapsed: float, meta: dict) -> Path:
+    """Writes run_dir/checkpoints/iter_NNNNNN, complete or not at all (a temporary folder renamed into place,
+    then `latest` updated, so `latest` always names a complete checkpoint):
+      - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
+        or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
+        on, these hold the EMA weights;
+      - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds;
+      - checkpoint.json: `meta` (trainer, model, LoRA, EMA) and the iteration, which --resume checks.
+    A checkpoint of this iteration that already exists is kept (the state is the same). Weights that are not
+    finite are never written: the run stops instead."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / f"iter_{iteration:06d}"
+    tensors = [p.detach() for p in params] + (ema.shadow if ema is not None else [])
+    if not all(bool(torch.isfinite(p).all()) for p in tensors):
+        raise TrainingStopped(f"the weights at iteration {iteration} are not finite; they were not saved. Resume "
+                              f"from the last checkpoint in {ckpt_root} with a smaller --lr")
+    if final.is_dir():  # `latest` is left alone: a resumed run moves it once it has new work (Logger)
+        return final
+    tmp = None
     try:
-        state = torch.load(ckpt / "training_state.pt", map_location="cpu", weights_only=False)
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+            if lora:
+                from peft.utils import get_peft_model_state_dict
+                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
+            else:
+                adapter.transformer.save_pretrained(tmp / "transformer")
+        torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
+                    "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None, "elapsed": elapsed},
+                   tmp / "training_state.pt")
+        (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
+        os.replace(tmp, final)
+        write_atomic(ckpt_root / "latest", final.name)
+    except (OSError, RuntimeError) as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {ckpt_root} "
+                              f"({type(e).__name__}: {e}); free disk space or pass another --output-dir and "
+                              f"--resume the last checkpoint there") from None
+    return final
+
+
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> tuple[int, float]:
+    """Restores the trainable parameters, optimizer and EMA; returns (iteration to continue from, elapsed s)."""
+    try:
+        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
         saved = state["params"]
     except Exception as e:
-        raise RuntimeError(f"checkpoint {ckpt} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                           f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
-    if len(saved) != len(params) or any(s.shape != p.shape for s, p in zip(saved, params)):
-        raise ValueError(f"checkpoint {ckpt} does not match this model: it holds {len(saved)} trainable tensors, "
-                         f"the model {len(params)}; resume with the same --model and LoRA settings")
+        raise UsageError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
+                         f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
+    if len(saved) != len(params):
+        raise UsageError(f"checkpoint {checkpoint} holds {len(saved)} trainable tensors and this model {len(params)}: "
+                         f"resume with the --model and --lora-rank it was trained with")
+    for i, (s, p) in enumerate(zip(saved, params)):
+        if s.shape != p.shape:
+            raise UsageError(f"checkpoint {checkpoint}: trainable tensor {i} has shape {tuple(s.shape)} there and "
+                             f"{tuple(p.shape)} in this model: resume with the --model and --lora-rank it was "
+                             f"trained with")
     with torch.no_grad():
         for p, s in zip(params, saved):
             p.copy_(s)
@@ -978,10 +1270,14 @@ def toy_prompt(color: str, shape: str) -> str:
     return f"a {color} {shape}"
 
 
-def toy_parse(prompt: str) -> tuple[str, str]:
+def toy_parse_or_none(prompt: str) -> tuple[str | None, str | None]:
+    """The first colour and shape word of a prompt, None where there is none."""
     words = prompt.lower().split()
-    color = next((w for w in words if w in TOY_COLORS), None)
-    shape = next((w for w in words if w in TOY_SHAPES), None)
+    return next((w for w in words if w in TOY_COLORS), None), next((w for w in words if w in TOY_SHAPES), None)
+
+
+def toy_parse(prompt: str) -> tuple[str, str]:
+    color, shape = toy_parse_or_none(prompt)
     if color is None or shape is None:
         raise ValueError(f"toy prompt {prompt!r} must name one of the colours {list(TOY_COLORS)} "
                          f"and one of the shapes {list(TOY_SHAPES)}")

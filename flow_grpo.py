@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +61,15 @@ class Args:
     time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
                                     "0 = no limit")
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
-    resume: str | None = field(None, "run folder or checkpoint folder to continue from")
+    resume: str | None = field(None, "run or checkpoint folder to continue from; auto: the newest checkpoint in "
+                                     "--output-dir, or a fresh start there")
     eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
     eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
     eval_steps: int = field(20, "ODE steps at evaluation")
-    save_every: int = field(0, "checkpoint every N iterations (and at the end); 0 = only at the end")
+    save_every: int = field(50, "checkpoint every N iterations (and at the end and on SIGTERM / SIGINT); 0 = only "
+                                "then")
+    max_bad_steps: int = field(3, "stop after this many optimizer steps in a row with a NaN / inf gradient norm "
+                                  "(each is skipped)")
     wandb: bool = field(False, "also log to Weights & Biases")
     threads: int = field(2, "CPU threads (CPU runs only)")
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
@@ -140,29 +144,54 @@ MODEL_DEFAULTS = {
 
 
 def main(args: Args) -> dict:
-    # ---- 2. Setup ----
+    # ---- 2. Setup: every input is checked before a model loads ----
+    # >>> shared: validate
+    common.at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
+                    time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
+    common.at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
+                    prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch,
+                    sample_steps=args.sample_steps, max_bad_steps=args.max_bad_steps)
+    common.at_least(2, group_size=args.group_size)          # a group-relative advantage needs two samples
+    common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
+    if args.lora_rank:
+        common.at_least(1e-12, lora_alpha=args.lora_alpha)
     rt = common.setup_runtime(args.seed, args.threads)
     W = rt.world_size
     if args.prompts_per_step % W:
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
     M = args.micro_batch
+    common.at_least(1, updates_per_rollout=args.updates_per_rollout)
+    common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
+    common.at_least(0, clip_range=args.clip_range, beta=args.beta)
     if N % M:
-        raise ValueError(f"--micro-batch {M} must divide the {N} samples per rank "
-                         f"(prompts-per-step/ranks x group-size)")
+        raise common.UsageError(f"--micro-batch {M} must divide the {N} samples per rank "
+                                f"(prompts-per-step/ranks x group-size)")
     if (N // M) % args.updates_per_rollout:
-        raise ValueError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} micro-batches "
-                         f"per rank; change it or --micro-batch")
+        raise common.UsageError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} "
+                                f"micro-batches per rank; change it or --micro-batch")
     T = args.sample_steps
     T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} "
-                  f"({N // M} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, "
-                  f"trained {T_train}")
+    if not (0 < args.timestep_fraction <= 1 and T_train >= 1):
+        raise common.UsageError(f"--timestep-fraction {args.timestep_fraction} of --sample-steps {T} trains no step")
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} ({N // M} "
+                  f"per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
 
+    # >>> shared: setup-run
+    train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
+    common.parse_reward_spec(args.reward)
+    config = dataclasses.asdict(args)
+    meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha, "ema": args.ema}  # --resume refuses a checkpoint that differs
+    run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
+    if run.start > args.iterations:
+        raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
+                                f"{args.iterations}: raise --iterations")
+    # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
-    train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
@@ -171,22 +200,38 @@ def main(args: Args) -> dict:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
-    # >>> shared: setup-run
+    # >>> shared: setup-train
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    run_dir = common.make_run_dir(args.output_dir, Path(__file__).stem, args.model, args.resume)
-    start, elapsed = common.load_checkpoint(args.resume, params, optimizer, ema) if args.resume else (0, 0.0)
+    start, elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else (0, 0.0)
     if start > args.iterations:
-        raise ValueError(f"--resume {args.resume} is at iteration {start}, past --iterations {args.iterations}")
+        raise common.UsageError(f"--resume {args.resume} is at iteration {start}, past --iterations "
+                                f"{args.iterations}: raise --iterations")
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
-    config = dataclasses.asdict(args)
-    if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(config, indent=2))
-    logger = common.Logger(run_dir, rt.is_main, start, wandb_config=config if args.wandb else None)
+    logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
+                           history=run.history)
+    guard = common.StepGuard(args.max_bad_steps, rt.device)  # skips non-finite steps on every rank
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
-    # <<< shared: setup-run
+
+    def save(iteration):
+        """Checkpoints the state after `iteration` iterations: rank 0 writes, every rank waits."""
+        if not common.finite(params + (ema.shadow if ema else []), rt.device):
+            raise common.TrainingStopped(f"the weights after iteration {iteration} are not finite and were not "
+                                         f"saved: --resume {run.dir} with a smaller --lr")
+        path = common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
+                                      meta) if rt.is_main else None
+        common.barrier()
+        return path
+
+    def stop_if_signalled(it):
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
+        signum = common.signalled(rt.device)
+        if signum:
+            save(it)
+            raise common.TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
+                                         f"saved; continue with --resume {run.dir}", exit_code=128 + signum)
+    # <<< shared: setup-train
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
 
@@ -202,11 +247,12 @@ def main(args: Args) -> dict:
             res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
                                         reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
         if rt.is_main:
-            common.save_image_grid(imgs[:64], run_dir / f"eval_{it:06d}.png")
+            common.save_image_grid(imgs[:64], run.dir / f"eval_{it:06d}.png")
         return res
 
     metrics = {}
     for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        stop_if_signalled(it)
         metrics = {"iteration": it}
         last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
         if args.eval_every and (it % args.eval_every == 0 or last):
@@ -224,7 +270,7 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = {**adapter.counts, "reward_calls": reward_fn.calls}
+        work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
@@ -265,6 +311,7 @@ def main(args: Args) -> dict:
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
+        stop_if_signalled(it)                                # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
@@ -296,10 +343,9 @@ def main(args: Args) -> dict:
             if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
                 metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
                 metrics["kl_first_update"] = max(stats["kl"])
-            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if ema:
+            stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
+            stats["grad_norm"].append(grad_norm)
+            if ema and stepped:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
 
@@ -312,7 +358,7 @@ def main(args: Args) -> dict:
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before),
+            **common.work_done(adapter, reward_fn, work_before, guard),
             "time_s": time.time() - t0,
         })
         logger.log(metrics)
@@ -320,12 +366,8 @@ def main(args: Args) -> dict:
         # >>> shared: checkpoint
         # ---- 3e. Checkpoint ----
         if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
-            if rt.is_main:
-                common.save_checkpoint(run_dir, it + 1, adapter, params, lora, optimizer, ema, time.time() - t0)
-            common.barrier()
-    if rt.is_main:
-        common.save_checkpoint(run_dir, it, adapter, params, lora, optimizer, ema, time.time() - t0)
-    common.barrier()
+            save(it + 1)
+    save(it)
     common.cleanup_runtime()
     return metrics
     # <<< shared: checkpoint
@@ -333,4 +375,4 @@ def main(args: Args) -> dict:
 
 # ---- 4. Entry point ----
 if __name__ == "__main__":
-    main(common.cli(Args, model_defaults=MODEL_DEFAULTS))
+    common.run_cli(main, Args, MODEL_DEFAULTS)

@@ -87,7 +87,7 @@ def test_sizes_that_do_not_divide(tmp_path):
 
 
 def test_missing_prompt_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prompt file 'nope.txt' does not exist: pass --prompts"):
+    with pytest.raises(common.UsageError, match="prompt file 'nope.txt' does not exist: pass --prompts"):
         run(flow_grpo, ["--model", "tiny-flux", "--prompts", "nope.txt", "--output-dir", str(tmp_path / "r")])
 
 
@@ -97,7 +97,7 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(tmp_path):
     state = r / "checkpoints" / "iter_000001" / "training_state.pt"
     state.write_bytes(state.read_bytes()[:100])
     before = (r / "metrics.jsonl").read_text()
-    with pytest.raises(RuntimeError, match="is unreadable.*resume from an earlier checkpoints/iter_"):
+    with pytest.raises(common.UsageError, match="is unreadable.*resume from an earlier checkpoints/iter_"):
         run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--output-dir", str(r), "--resume", str(r),
                         *SMALL])
     assert (r / "metrics.jsonl").read_text() == before
@@ -106,7 +106,7 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(tmp_path):
 def test_existing_run_folder_is_not_overwritten(tmp_path):
     r = tmp_path / "r"
     run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
-    with pytest.raises(FileExistsError, match="already holds a run: pass --resume"):
+    with pytest.raises(common.UsageError, match="already holds a run: pass --resume"):
         run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
 
 

@@ -67,7 +67,7 @@ def test_load_prompts_text_jsonl_and_errors(tmp_path):
     train, evals = common.load_prompts(str(tmp_path / "p.jsonl"), "sd3")
     assert [r["prompt"] for r in train] == ["a"] and evals == [rows[1]]
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1 is not a JSON object with a string 'prompt' key"):
+    with pytest.raises(common.UsageError, match="bad.jsonl:1 is not a JSON object with a non-empty string 'prompt'"):
         common.load_prompts(str(tmp_path / "bad.jsonl"), "sd3")
     toy_train, toy_eval = common.load_prompts(None, "toy")
     assert [r["prompt"] for r in toy_train] == [common.toy_prompt(c, s) for c, s in common.TOY_HELD_OUT]

@@ -1,0 +1,380 @@
+"""Runs that survive what clusters do to them: non-finite numbers, signals, restarts, rewinds, folders shared by
+mistake, full disks and bad input. Each test reproduces a failure the trainers used to have."""
+import ast
+import importlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import flow_grpo
+from helpers import ROOT, SMALL, read_metrics, run, torchrun
+
+TRAINERS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
+TINY = ["--model", "tiny-flux", *SMALL]
+TOY = ["--model", "toy", *SMALL]
+
+
+def strict_lines(run_dir) -> list[dict]:
+    """metrics.jsonl read as strict JSON: a bare NaN or inf fails."""
+    def refuse(name):
+        raise ValueError(f"non-JSON constant {name}")
+    return [json.loads(ln, parse_constant=refuse) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def params_of(run_dir, iteration):
+    state = torch.load(run_dir / "checkpoints" / f"iter_{iteration:06d}" / "training_state.pt", weights_only=False)
+    return state["params"]
+
+
+def without_timings(lines):
+    return [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in lines]
+
+
+def nan_reward(on_calls, rank=None):
+    """A toy reward whose first image is NaN on the given (1-based) scoring calls of this process."""
+    class NaNToy(common.ToyReward):
+        calls = 0
+
+        def __call__(self, images, prompts):
+            r = super().__call__(images, prompts)
+            NaNToy.calls += 1
+            if NaNToy.calls in on_calls and (rank is None or os.environ.get("RANK", "0") == str(rank)):
+                r[0] = math.nan
+            return r
+    return NaNToy
+
+
+# ---- non-finite numbers ----
+def test_a_nan_reward_skips_the_steps_it_poisons_and_logs_null(tmp_path, monkeypatch):
+    """SMALL: 2 scoring calls per iteration. A NaN on iteration 1's first call makes the global std NaN, so both of
+    its optimizer steps are skipped; the run goes on, its weights stay finite and metrics.jsonl stays JSON."""
+    monkeypatch.setitem(common.REWARDS, "toy", nan_reward({3}))
+    r = tmp_path / "r"
+    run(flow_grpo, [*TOY, "--iterations", "3", "--eval-every", "0", "--output-dir", str(r)])
+    lines = strict_lines(r)
+    assert [m.get("skipped_steps") for m in lines] == [0, 2, 0, None]
+    assert lines[1]["reward_mean"] is None and lines[1]["loss"] is None      # NaN written as null
+    assert lines[2]["grad_norm"] is not None
+    assert all(torch.isfinite(p).all() for p in params_of(r, 3))
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_and_the_last_checkpoint_is_intact(tmp_path, monkeypatch):
+    r = tmp_path / "r"
+    run(flow_grpo, [*TOY, "--iterations", "2", "--eval-every", "0", "--output-dir", str(r)])
+    saved = (r / "checkpoints" / "iter_000002" / "training_state.pt").read_bytes()
+    monkeypatch.setitem(common.REWARDS, "toy", nan_reward(set(range(1, 100))))
+    with pytest.raises(common.TrainingStopped, match="3 optimizer steps in a row had a NaN or inf gradient norm"):
+        run(flow_grpo, [*TOY, "--iterations", "6", "--eval-every", "0", "--output-dir", str(r), "--resume", str(r)])
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000002", "latest"]
+    assert (r / "checkpoints" / "iter_000002" / "training_state.pt").read_bytes() == saved
+    lines = strict_lines(r)                                # iteration 2: both steps skipped and logged; the
+    assert [m["iteration"] for m in lines] == [0, 1, 2] and lines[2]["skipped_steps"] == 2  # 3rd stops the run
+
+
+def test_a_nan_on_one_rank_is_skipped_by_both_and_nobody_hangs(tmp_path):
+    """2 gloo ranks, per-group std: rank 1's first micro-batch of iteration 1 gets a NaN reward. The optimizer
+    step that holds it is skipped on both ranks (the other one is not), and the replicas stay identical."""
+    script = tmp_path / "nan_on_rank1.py"
+    script.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+                      "import common, flow_grpo\nfrom test_reliability import nan_reward\n"
+                      "common.REWARDS['toy'] = nan_reward({3}, rank=1)\n"
+                      "common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)\n")
+    r = tmp_path / "r"
+    torchrun(str(script), [*TOY[:2], *SMALL[2:], "--prompts-per-step", "4", "--iterations", "3", "--eval-every",
+                           "0", "--no-global-std", "--output-dir", str(r)], port=29541)
+    lines = strict_lines(r)
+    assert [m.get("skipped_steps") for m in lines] == [0, 1, 0, None]
+    assert lines[-1]["rank_param_diff"] == 0.0
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_group_of_one_is_refused(trainer, tmp_path):
+    module = importlib.import_module(trainer)
+    with pytest.raises(common.UsageError, match="--group-size 1 must be at least 2"):
+        run(module, [*TINY, "--group-size", "1", "--output-dir", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch):
+    """A step can be finite and still leave weights that are not (here: every parameter set to inf after the
+    first optimizer step); the checkpoint is refused, not written."""
+    real = torch.optim.AdamW.step
+
+    def poisoned(self, *a, **k):
+        out = real(self, *a, **k)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.fill_(math.inf)
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    r = tmp_path / "r"
+    with pytest.raises(common.TrainingStopped, match="not finite and were not saved"):
+        run(flow_grpo, [*TINY, "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
+    assert not list(r.glob("checkpoints/iter_*"))
+
+
+# ---- run folders: nothing overwritten, nothing lost ----
+def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_gets_the_history(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(a)])
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(b)])
+    before = {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()}
+    with pytest.raises(common.UsageError, match=re.escape(f"{b} already holds another run")):
+        run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
+    assert {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()} == before
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
+    assert [m["iteration"] for m in read_metrics(c)] == [0, 1, 2, 3]
+    assert read_metrics(c)[:2] == read_metrics(a)[:2]
+
+
+def test_rewinding_keeps_the_later_history(tmp_path, monkeypatch):
+    """Resuming iteration 2 of a run that reached 4 changes nothing until new work is logged: interrupted before
+    that, the folder still resumes at 4. Once the rewound run logs, the later lines and checkpoints move aside."""
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
+    metrics, ckpt2 = (r / "metrics.jsonl").read_text(), r / "checkpoints" / "iter_000002"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(common, "sample_prompts", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run(flow_grpo, [*TINY, "--iterations", "6", "--output-dir", str(r), "--resume", str(ckpt2)])
+    assert (r / "metrics.jsonl").read_text() == metrics
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
+
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(ckpt2)])
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    superseded = [json.loads(ln) for ln in (r / "superseded.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in superseded] == [2, 3, 4]
+    assert [p.name for p in (r / "checkpoints").glob("superseded-*/*")] == ["iter_000004"]
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000003"
+
+
+def test_a_cut_last_line_is_moved_aside_and_resume_works(tmp_path):
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
+    with open(r / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "loss": 0.0')                           # a kill mid-write
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    assert [m["iteration"] for m in strict_lines(r)] == [0, 1, 2, 3]
+    assert '{"iteration": 3, "loss": 0.0' in (r / "superseded.jsonl").read_text()
+
+
+def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(tmp_path, monkeypatch):
+    """--time-budget with --save-every 1 saves iteration 2 twice (periodic, then final): the first, complete one is
+    kept and `latest` names it. A temporary folder left by a killed write is removed at the next start."""
+    calls = []
+    monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
+    ckpt = r / "checkpoints" / "iter_000002"
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
+    stamp = (ckpt / "training_state.pt").stat().st_mtime_ns
+    common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {})    # exists: kept, nothing touched
+    assert (ckpt / "training_state.pt").stat().st_mtime_ns == stamp
+    (r / "checkpoints" / ".tmp-killed").mkdir()
+    monkeypatch.undo()
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    assert not list((r / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(r)])
+
+    def disk_full(*a, **k):
+        raise RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(common.TrainingStopped, match="could not write the checkpoint of iteration 2 .*free disk"):
+        run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000001", "latest"]
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+def test_default_run_folders_are_unique(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rt = common.setup_runtime(0, 1)
+    meta = {"trainer": "flow_grpo", "model": "toy"}
+    dirs = {common.prepare_run(None, None, meta, {}, rt).dir for _ in range(3)}  # within one second
+    assert len(dirs) == 3 and all(d.is_dir() and d.name.startswith("flow_grpo-toy-") for d in dirs)
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", "auto"])
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", "auto"])
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    with pytest.raises(common.UsageError, match="--resume auto continues the run in --output-dir"):
+        run(flow_grpo, [*TINY, "--resume", "auto"])
+
+
+@pytest.mark.parametrize("module,flags,message", [
+    ("v_grpo", [], "was trained by flow_grpo.py, not v_grpo.py: resume it with flow_grpo.py"),
+    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8, this run 16.0: pass --lora-alpha 8"),
+    ("flow_grpo", ["--lora-rank", "8", "--lora-alpha", "8"], "has --lora-rank 4, this run 8: pass --lora-rank 4"),
+    ("flow_grpo", ["--ema"], "was trained without EMA and this run has --ema"),
+    ("flow_grpo", ["--model", "tiny-sd3"], "has --model tiny-flux, this run tiny-sd3: pass --model tiny-flux"),
+])
+def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message, tmp_path):
+    a = tmp_path / "a"
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    with pytest.raises(common.UsageError, match=message):
+        run(importlib.import_module(module), [*TINY, "--iterations", "2", "--resume", str(a), *flags])
+
+
+def test_a_checkpoint_without_its_description_names_the_tensor_that_differs(tmp_path):
+    a = tmp_path / "a"
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()     # as written before it existed
+    with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):
+        run(flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a), "--lora-rank", "8"])
+
+
+# ---- signals ----
+def wait_for_lines(run_dir, n, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the run did not log {n} lines in time (exit {proc.poll()})")
+
+
+def test_sigterm_checkpoints_and_the_resumed_run_equals_a_straight_one(tmp_path):
+    argv = [*TOY, "--iterations", "12", "--eval-every", "4", "--seed", "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "flow_grpo.py"), *argv, "--output-dir", str(r)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for_lines(r, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM at iteration" in last and f"--resume {r}" in last and "Traceback" not in err
+    stopped_at = int(last.split("at iteration ")[1].split(",")[0])
+    assert 2 <= stopped_at < 12 and (r / "checkpoints" / f"iter_{stopped_at:06d}").is_dir()
+    run(flow_grpo, [*argv, "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*argv, "--output-dir", str(tmp_path / "straight")])
+    assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
+    assert all(torch.equal(x, y) for x, y in zip(params_of(r, 12), params_of(tmp_path / "straight", 12)))
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    argv = [*TOY[:2], *SMALL[2:], "--prompts-per-step", "4", "--iterations", "12", "--eval-every", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = tmp_path / "r"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29543",
+           str(ROOT / "flow_grpo.py"), *argv, "--output-dir", str(r)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    wait_for_lines(r, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "stopped by SIGTERM at iteration" in err, err[-3000:]
+    stopped_at = int(err.split("stopped by SIGTERM at iteration ")[1].split(",")[0])
+    assert (r / "checkpoints" / f"iter_{stopped_at:06d}").is_dir()
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(r), "--resume", str(r)], port=29544)
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")], port=29545)
+    assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
+    assert all(torch.equal(x, y) for x, y in zip(params_of(r, 12), params_of(tmp_path / "straight", 12)))
+
+
+# ---- bad input: one line that names the fix, before any model loads ----
+def bad_prompt_files(tmp_path) -> list[tuple[str, str]]:
+    """(path, expected message) for malformed prompt files."""
+    cases = {
+        "latin1.txt": (b"a red circle\ncaf\xe9 au lait\n", "is not UTF-8 text"),
+        "empty.txt": (b"\n  \n", "holds no prompts"),
+        "blank_then_bad.jsonl": (b'{"prompt": "a red circle"}\n\n\n{"text": "x"}\n', ":4 is not a JSON object"),
+        "not_a_string.jsonl": (b'{"prompt": 5}\n', ":1 is not a JSON object with a non-empty string"),
+        "eval_only.jsonl": (b'{"prompt": "a red circle", "split": "eval"}\n', "has no training prompts"),
+        "bad_split.jsonl": (b'{"prompt": "a red circle", "split": "val"}\n', "split 'val': use 'train' or 'eval'"),
+        "not_toy.txt": (b"a red circle\na photo of a cat\n", ":2: 'a photo of a cat' is not a toy prompt"),
+    }
+    out = []
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        out.append((str(tmp_path / name), message))
+    return out
+
+
+BAD_FLAGS = [
+    (["--group-size", "0"], "--group-size 0 must be at least 2"),
+    (["--micro-batch", "0"], "--micro-batch 0 must be at least 1"),
+    (["--prompts-per-step", "-2"], "--prompts-per-step -2 must be at least 1"),
+    (["--eval-images", "0"], "--eval-images 0 must be at least 1"),
+    (["--sample-steps", "0"], "--sample-steps 0 must be at least 1"),
+    (["--iterations", "-1"], "--iterations -1 must be at least 0"),
+    (["--lr", "nan"], "--lr nan must be at least"),
+    (["--max-bad-steps", "0"], "--max-bad-steps 0 must be at least 1"),
+    (["--reward", "aesthetics"], "unknown or repeated reward 'aesthetics'"),
+    (["--resume", "no/such/run"], "--resume no/such/run: no checkpoint there"),
+]
+METHOD_FLAGS = {
+    "flow_grpo": [(["--updates-per-rollout", "0"], "--updates-per-rollout 0 must be at least 1"),
+                  (["--sample-steps", "1"], "--timestep-fraction 0.99 of --sample-steps 1 trains no step"),
+                  (["--timestep-fraction", "0"], "--timestep-fraction 0.0 of --sample-steps 4 trains no step"),
+                  (["--noise-level", "0", "--beta", "0.1"], "--noise-level 0.0 must be at least")],
+    "pro_grpo": [(["--timestep-fraction", "0"], "--timestep-fraction 0.0 of --sample-steps 4 trains no step"),
+                 (["--funnel", "8,9"], "--funnel '8,9' must decrease strictly")],
+    "v_grpo": [(["--updates-per-rollout", "0"], "--updates-per-rollout 0 must be at least 1"),
+               (["--mc-pairs", "0"], "--mc-pairs 0 must be between 1")],
+    "g2rpo": [(["--granularities", "0"], "--granularities '0' must list distinct positive integers"),
+              (["--noise-level", "0"], "--noise-level 0.0 must be at least")],
+}
+
+
+FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # group of 4
+
+
+def one_error_line(capsys, module, argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert "Traceback" not in err and len([ln for ln in err.splitlines() if "error:" in ln]) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, capsys):
+    module = importlib.import_module(trainer)
+    out = ["--output-dir", str(tmp_path / "never"), *FITS_SMALL.get(trainer, [])]
+    cases = [(["--prompts", path], message) for path, message in bad_prompt_files(tmp_path)]
+    cases += BAD_FLAGS + METHOD_FLAGS[trainer]
+    for flags, message in cases:
+        err = one_error_line(capsys, module, [*TOY, *out, *flags])
+        assert message in err, (flags, err)
+    assert not (tmp_path / "never").exists()                             # refused before anything was written
+    (tmp_path / "a_file").write_text("x")
+    err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
+                                          str(tmp_path / "a_file" / "run")])
+    assert "cannot write to the run folder" in err and "pass a writable --output-dir" in err
+
+
+def test_the_real_entry_point_prints_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "g2rpo.py"), "--micro-batch", "0", "--output-dir",
+                          str(tmp_path / "r")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert errors == ["g2rpo.py: error: --micro-batch 0 must be at least 1"], out.stderr
+
+
+def test_validation_never_uses_assert():
+    """`python -O` strips asserts: no check of the project's own code may rely on one."""
+    for path in [ROOT / "common.py", *(ROOT / f"{t}.py" for t in TRAINERS)]:
+        tree = ast.parse(path.read_text())
+        assert not [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)], path.name
