@@ -992,7 +992,7 @@ def save_image_grid(images: torch.Tensor, path: Path, nrow: int | None = None):
     nrow = nrow or math.ceil(math.sqrt(n))
     ncol = math.ceil(n / nrow)
     grid = torch.zeros(3, ncol * (h + 2), nrow * (w + 2))
-    for i, im in enumerate(images.float().cpu()):
+    for i, im in enumerate(images.float().nan_to_num(0.0).clamp(0, 1).cpu()):
         r, c = divmod(i, nrow)
         grid[:, r * (h + 2) + 1: r * (h + 2) + 1 + h, c * (w + 2) + 1: c * (w + 2) + 1 + w] = im
     img = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))

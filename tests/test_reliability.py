@@ -96,6 +96,14 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_nobody_hangs(tmp_path):
     assert lines[-1]["rank_param_diff"] == 0.0
 
 
+def test_a_learning_rate_that_blows_up_stops_the_run_without_saving(tmp_path):
+    r = tmp_path / "r"
+    with pytest.raises(common.TrainingStopped, match="in a row had a NaN or inf gradient norm"):
+        run(flow_grpo, [*TOY, "--iterations", "6", "--lr", "1e10", "--output-dir", str(r)])
+    assert not (r / "checkpoints").exists()
+    assert strict_lines(r)[0]["loss"] is None                             # logged, as null
+
+
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_group_of_one_is_refused(trainer, tmp_path):
     module = importlib.import_module(trainer)
@@ -320,6 +328,7 @@ BAD_FLAGS = [
     (["--lr", "nan"], "--lr nan must be at least"),
     (["--max-bad-steps", "0"], "--max-bad-steps 0 must be at least 1"),
     (["--reward", "aesthetics"], "unknown or repeated reward 'aesthetics'"),
+    (["--reward", "toy:nan"], "bad weight 'nan' for reward 'toy'"),
     (["--resume", "no/such/run"], "--resume no/such/run: no checkpoint there"),
 ]
 METHOD_FLAGS = {
