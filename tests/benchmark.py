@@ -17,7 +17,7 @@ pipeline classes at tiny size with random weights, where rewards mean nothing an
 Prints the tables (Markdown) and writes OUT/benchmark.json (the summary and every run's metrics) and
 OUT/benchmark.png (held-out reward against iterations, training seconds and transformer evaluations).
 
-  python tests/benchmark.py --budget 60        # the README's Results: about 16 minutes on 2 CPU cores
+  python tests/benchmark.py --budget 60        # the README's Results: about 17 minutes on 2 CPU cores
   python tests/benchmark.py --quick            # every code path at tiny sizes, under 2 minutes
 """
 from __future__ import annotations
