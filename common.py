@@ -1108,10 +1108,11 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
     """Refuses a checkpoint made by another trainer, model, LoRA rank or alpha, or without the EMA this run
-    wants; returns its iteration (-1 for a checkpoint without checkpoint.json, known once loaded)."""
+    wants; returns its iteration. A checkpoint without checkpoint.json (written before it existed) is only
+    read for its iteration; its tensors are checked when they load."""
     info_file = checkpoint / "checkpoint.json"
     if not info_file.is_file():
-        return -1
+        return _training_state(checkpoint)["iteration"]
     info = json.loads(info_file.read_text())
     for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
                       ("lora_alpha", "--lora-alpha"), ("ema", "--ema")]:
@@ -1145,7 +1146,7 @@ def supersede_checkpoints(run_dir: Path, start: int):
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float, meta: dict) -> Path:
+                    elapsed: float, meta: dict, rt: Runtime) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN, complete or not at all (a temporary folder renamed into place,
     then `latest` updated, so `latest` always names a complete checkpoint):
       - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
@@ -1154,15 +1155,23 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
       - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds;
       - checkpoint.json: `meta` (trainer, model, LoRA, EMA) and the iteration, which --resume checks.
     A checkpoint of this iteration that already exists is kept (the state is the same). Weights that are not
-    finite are never written: the run stops instead."""
+    finite on any rank are never written: the run stops instead. Every rank calls it; rank 0 writes, all wait."""
     ckpt_root = Path(run_dir) / "checkpoints"
     final = ckpt_root / f"iter_{iteration:06d}"
-    tensors = [p.detach() for p in params] + (ema.shadow if ema is not None else [])
-    if not all(bool(torch.isfinite(p).all()) for p in tensors):
-        raise TrainingStopped(f"the weights at iteration {iteration} are not finite; they were not saved. Resume "
-                              f"from the last checkpoint in {ckpt_root} with a smaller --lr")
+    if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
+        raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
+                              f"--resume {run_dir} with a smaller --lr")
+    if rt.is_main:
+        _write_checkpoint(final, iteration, elapsed, meta, adapter, params, lora, optimizer, ema)
+    barrier()
+    return final
+
+
+def _write_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list, lora: bool,
+                      optimizer, ema: EMA | None):
+    ckpt_root = final.parent
     if final.is_dir():  # `latest` is left alone: a resumed run moves it once it has new work (Logger)
-        return final
+        return
     tmp = None
     try:
         ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -1174,8 +1183,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
             else:
                 adapter.transformer.save_pretrained(tmp / "transformer")
         torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
-                    "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None, "elapsed": elapsed},
-                   tmp / "training_state.pt")
+                    "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None,
+                    "elapsed": elapsed}, tmp / "training_state.pt")
         (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
         os.replace(tmp, final)
         write_atomic(ckpt_root / "latest", final.name)
@@ -1185,17 +1194,22 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {ckpt_root} "
                               f"({type(e).__name__}: {e}); free disk space or pass another --output-dir and "
                               f"--resume the last checkpoint there") from None
-    return final
 
 
-def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> tuple[int, float]:
-    """Restores the trainable parameters, optimizer and EMA; returns (iteration to continue from, elapsed s)."""
+def _training_state(checkpoint: Path) -> dict:
     try:
         state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
-        saved = state["params"]
+        state["params"], state["iteration"]
     except Exception as e:
         raise UsageError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
                          f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
+    return state
+
+
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
+    """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
+    state = _training_state(checkpoint)
+    saved = state["params"]
     if len(saved) != len(params):
         raise UsageError(f"checkpoint {checkpoint} holds {len(saved)} trainable tensors and this model {len(params)}: "
                          f"resume with the --model and --lora-rank it was trained with")
@@ -1210,7 +1224,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     optimizer.load_state_dict(state["optimizer"])
     if ema is not None and state.get("ema"):
         ema.load_state_dict(state["ema"])
-    return state["iteration"], state.get("elapsed", 0.0)
+    return state.get("elapsed", 0.0)
 
 
 # =============================================================================================

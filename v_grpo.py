@@ -327,10 +327,8 @@ def main(args: Args) -> dict:
     # >>> shared: setup-train
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    start, elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else (0, 0.0)
-    if start > args.iterations:
-        raise common.UsageError(f"--resume {args.resume} is at iteration {start}, past --iterations "
-                                f"{args.iterations}: raise --iterations")
+    start = run.start                                        # 0, or the iteration of the checkpoint resumed
+    elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
     logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
                            history=run.history)
@@ -339,14 +337,9 @@ def main(args: Args) -> dict:
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
 
     def save(iteration):
-        """Checkpoints the state after `iteration` iterations: rank 0 writes, every rank waits."""
-        if not common.finite(params + (ema.shadow if ema else []), rt.device):
-            raise common.TrainingStopped(f"the weights after iteration {iteration} are not finite and were not "
-                                         f"saved: --resume {run.dir} with a smaller --lr")
-        path = common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
-                                      meta) if rt.is_main else None
-        common.barrier()
-        return path
+        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
+        return common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
+                                      meta, rt)
 
     def stop_if_signalled(it):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""

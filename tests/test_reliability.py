@@ -189,7 +189,7 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
     stamp = (ckpt / "training_state.pt").stat().st_mtime_ns
-    common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {})    # exists: kept, nothing touched
+    common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))  # exists: kept
     assert (ckpt / "training_state.pt").stat().st_mtime_ns == stamp
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
