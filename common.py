@@ -8,13 +8,14 @@ velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0
 Sections, in reading order:
   1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
   2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults
-  3. Models: the adapter interface (flux, sd3), LoRA, EMA, work counters
+  3. Models: the adapter interface (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
   4. Rewards: name -> scorer, weighted sums
   5. Prompts
   6. Logging and checkpoints
   7. Evaluation
   Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
-  Appendix B. Tiny offline pipelines (tiny-flux, tiny-sd3) and their smoke-run sizes
+  Appendix B. Offline pipelines: the published architectures with random weights, full or reduced depth,
+              and tiny ones (tiny-flux, tiny-sd3) with their smoke-run sizes
 """
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
-    dtype: torch.dtype  # weights and autocast dtype of the frozen model: bf16 on GPU, fp32 on CPU
+    dtype: torch.dtype  # the model's compute (autocast) dtype: --dtype bf16 / fp16 on GPU, float32 on CPU
 
     @property
     def is_main(self) -> bool:
@@ -161,15 +162,21 @@ class Runtime:
         return self.world_size > 1
 
 
-def setup_runtime(seed: int, threads: int | None = None) -> Runtime:
-    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") -> Runtime:
+    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank.
+    `dtype` (bf16 / fp16) is the compute dtype on GPU; CPU runs compute in float32."""
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend, dtype = "nccl", torch.bfloat16
+        backend, dtype = "nccl", DTYPES[dtype]
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device, backend, dtype = torch.device("cpu"), "gloo", torch.float32
@@ -339,8 +346,17 @@ def rank_param_diff(params: list[torch.Tensor]) -> float:
 
 
 def no_sync(net: torch.nn.Module, skip: bool):
-    """DDP's no_sync() while accumulating gradients (skip=True), so only the last backward all-reduces."""
+    """No gradient communication while accumulating (skip=True), so only the last backward syncs: DDP's
+    no_sync(), or FSDP2's set_requires_gradient_sync(False)."""
+    if hasattr(net, "set_requires_gradient_sync"):
+        net.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
     return net.no_sync() if skip and hasattr(net, "no_sync") else contextlib.nullcontext()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 tensor (a DTensor); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
@@ -373,7 +389,8 @@ def out_of_time(t0: float, budget: float, device) -> bool:
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict)
-# flux and sd3 wrap the real diffusers pipelines; the toy adapter is in Appendix A, the tiny pipelines in Appendix B.
+# flux and sd3 wrap the real diffusers pipelines; the toy adapter is in Appendix A, random-weight pipelines in
+# Appendix B.
 MODELS = ("toy", "tiny-flux", "tiny-sd3", "flux", "sd3")
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
 
@@ -384,8 +401,10 @@ SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
 
 
 def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
-               guidance_scale: float | None = None):
-    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained)."""
+               guidance_scale: float | None = None, max_sequence_length: int | None = None,
+               offload_encoders: bool = False):
+    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
+    random / random:N for the published architecture with random weights (Appendix B)."""
     if name == "toy":
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
@@ -403,9 +422,20 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
     if name.startswith("tiny-") and path is None:
         pipe = build_tiny_flux() if family == "flux" else build_tiny_sd3()
-    else:
-        pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype=rt.dtype)
-    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale))
+    elif path and path.startswith("random"):
+        pipe = random_pipeline(family, path, rt.device, rt.dtype)
+    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
+        pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype={
+            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
+    kwargs = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
+    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale,
+                                  offload_encoders=offload_encoders, **kwargs))
+
+
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The trained transformer's weights: float32 under fp16 compute (fp16 autocast over float32 weights, with
+    loss scaling, as Flow-GRPO trains SD3.5), else the compute dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def instrument(adapter):
@@ -442,11 +472,38 @@ def work_done(adapter, reward_fn, before: dict, guard) -> dict:
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the pre-trained network: the reference policy under full fine-tuning."""
+    """A frozen copy of the pre-trained network: the reference policy under full fine-tuning (made before any
+    sharding; --fsdp then shards it like the trained one, fully_shard_model)."""
     import copy
     ref = copy.deepcopy(module).eval()
     ref.requires_grad_(False)
     return ref
+
+
+def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: FLUX's double and single blocks, SD3's joint blocks (the toy's are FLUX's)."""
+    return [b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])]
+
+
+def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
+    """--fsdp (full fine-tuning): FSDP2's fully_shard on each transformer block, then on the root, over all
+    ranks. The trained weights become float32 master shards (DTensors), cast block by block as they are
+    sharded, so no rank ever holds the whole model in float32; on GPU a MixedPrecisionPolicy gathers them in the
+    run's dtype for compute and reduces gradients in float32. The frozen reference `ref` is sharded the same way
+    in its own dtype. Returns the trainable parameters: this rank's shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for module, master in ((transformer, torch.float32), (ref, None)):
+        if module is None:
+            continue
+        for block in transformer_blocks(module) + [module]:
+            if master is not None:  # what is not sharded yet: this block, or the root's own layers
+                for q in block.parameters():
+                    if not hasattr(q, "to_local"):
+                        q.data = q.data.to(master)
+            fully_shard(block, mp_policy=mp)
+    return [q for q in transformer.parameters() if q.requires_grad]
 
 
 def cond_select(cond: dict, idx) -> dict:
@@ -476,8 +533,8 @@ class FluxFamilyAdapter:
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), float(self.guidance_scale), device=self.device, dtype=torch.float32)
-        with self._autocast():
-            out = net(hidden_states=x.to(self.dtype), timestep=t.to(self.dtype), guidance=guidance,
+        with self._autocast():  # t in float32 (the transformer rounds it to its own dtype, as the pipeline does)
+            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t, guidance=guidance,
                       pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
                       txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
         return out.float()
@@ -488,11 +545,13 @@ class FluxAdapter(FluxFamilyAdapter):
 
     lora_targets = FLUX_LORA_TARGETS
 
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 512):
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 512,
+                 offload_encoders: bool = False):
         f = pipe.vae_scale_factor
         if resolution % (2 * f):
             raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for FLUX")
-        _freeze_pipeline(pipe, device, dtype)
+        _freeze_pipeline(pipe, device, dtype, offload_encoders)
+        self.offload_encoders = offload_encoders
         self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
         self.device, self.dtype, self.resolution = device, dtype, resolution
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
@@ -503,8 +562,9 @@ class FluxAdapter(FluxFamilyAdapter):
 
     @torch.no_grad()
     def encode(self, prompts):
-        embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
-                                                               max_sequence_length=self.max_sequence_length)
+        with encoders_on_device(self):
+            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
+                                                                   max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     def noise(self, n, generator=None):
@@ -531,11 +591,13 @@ class SD3Adapter:
 
     lora_targets = SD3_LORA_TARGETS
 
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 256):
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 128,
+                 offload_encoders: bool = False):
         f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
         if resolution % f:
             raise ValueError(f"--resolution {resolution} must be a multiple of {f} for SD3")
-        _freeze_pipeline(pipe, device, dtype)
+        _freeze_pipeline(pipe, device, dtype, offload_encoders)
+        self.offload_encoders = offload_encoders
         self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
         self.device, self.dtype, self.resolution = device, dtype, resolution
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
@@ -551,9 +613,10 @@ class SD3Adapter:
 
     @torch.no_grad()
     def encode(self, prompts):
-        if self.negative is None and self.guidance_scale > 1:
-            self.negative = self._encode([""])
-        return self._encode(prompts)
+        with encoders_on_device(self):
+            if self.negative is None and self.guidance_scale > 1:
+                self.negative = self._encode([""])
+            return self._encode(prompts)
 
     def noise(self, n, generator=None):
         return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
@@ -572,8 +635,8 @@ class SD3Adapter:
             embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
             pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
         ctx = torch.autocast("cuda", dtype=self.dtype) if self.device.type == "cuda" else contextlib.nullcontext()
-        with ctx:
-            out = net(hidden_states=x.to(self.dtype), timestep=(t * 1000).to(self.dtype), encoder_hidden_states=embeds,
+        with ctx:  # the timestep in float32, as the pipeline passes it: in bf16, 913.35 would become 912
+            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t * 1000, encoder_hidden_states=embeds,
                       pooled_projections=pooled, return_dict=False)[0].float()
         if cfg:
             uncond, text = out.chunk(2)
@@ -588,14 +651,32 @@ class SD3Adapter:
         type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-def _freeze_pipeline(pipe, device, dtype):
-    """Frozen text encoders and transformer in `dtype` on `device`; the VAE stays in float32."""
+def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
+    """Frozen text encoders in `dtype` on `device` (on the CPU with offload_encoders), the transformer in
+    weight_dtype(dtype), the VAE in float32."""
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
-            module.requires_grad_(False).eval().to(device)
-            want = torch.float32 if name == "vae" else dtype
+            offload = offload_encoders and name.startswith("text_encoder")
+            module.requires_grad_(False).eval().to("cpu" if offload else device)
+            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
             if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
                 module.to(dtype=want)
+
+
+@contextlib.contextmanager
+def encoders_on_device(adapter):
+    """--offload-encoders: the text encoders move to the compute device for an encode and back to the CPU after
+    (T5-XXL alone is 9.5 GB in bf16); without it they stay on the device."""
+    encoders = [m for name, m in adapter.pipe.components.items() if name.startswith("text_encoder") and m is not None]
+    if adapter.offload_encoders:
+        for m in encoders:
+            m.to(adapter.device)
+    try:
+        yield
+    finally:
+        if adapter.offload_encoders:
+            for m in encoders:
+                m.to("cpu")
 
 
 def _vae_decode(vae, latents):
@@ -633,8 +714,9 @@ def lora_disabled(transformer: torch.nn.Module):
 
 
 class EMA:
-    """Exponential moving average of the trainable parameters: decay min((1 + n) / (10 + n), max_decay) at the
-    n-th update, updated every `every` optimizer steps (the official GRPO trainers' schedule)."""
+    """Exponential moving average of the trainable parameters, the official GRPO trainers' schedule: after
+    optimizer step n (counting from 1), if (n + 1) is a multiple of `every`, shadow <- decay shadow + (1 - decay)
+    theta with decay = min((1 + n) / (10 + n), max_decay), a warm-up counted in optimizer steps."""
 
     def __init__(self, params, max_decay: float = 0.9, every: int = 8):
         self.params, self.max_decay, self.every = list(params), max_decay, every
@@ -643,9 +725,9 @@ class EMA:
 
     @torch.no_grad()
     def step(self, optimizer_step: int):
-        if optimizer_step % self.every:
+        if (optimizer_step + 1) % self.every:
             return
-        decay = min((1 + self.num_updates) / (10 + self.num_updates), self.max_decay)
+        decay = min((1 + optimizer_step) / (10 + optimizer_step), self.max_decay)
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach(), 1 - decay)
         self.num_updates += 1
@@ -675,31 +757,50 @@ class EMA:
 
 def finite(tensors: list[torch.Tensor], device) -> bool:
     """True if every tensor on every rank holds only finite numbers."""
-    ok = torch.tensor([float(all(bool(torch.isfinite(x.detach()).all()) for x in tensors))], device=device)
+    ok = torch.tensor([float(all(bool(torch.isfinite(local(x.detach())).all()) for x in tensors))], device=device)
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
 
 
 class StepGuard:
-    """The optimizer step, skipped on every rank when the gradient norm is NaN or inf on any rank: a non-finite
-    reward, advantage or loss shows there. Counts the skips (`skipped`) and stops the run after `max_bad`
-    non-finite steps in a row, before anything non-finite is saved."""
+    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN or inf on any
+    rank: a non-finite reward, advantage or loss shows there. Counts the skips (`skipped`) and stops the run
+    after `max_bad` non-finite steps in a row, before anything non-finite is saved.
 
-    def __init__(self, max_bad: int, device):
+    With `loss_scaling` (fp16 compute) the losses are scaled (torch.amp.GradScaler) so small gradients survive
+    fp16; a step skipped for an overflow while every loss was finite is the scaler's own back-off (it halves the
+    scale) and does not count towards `max_bad`."""
+
+    def __init__(self, max_bad: int, device, loss_scaling: bool = False):
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
+        self.scaler = torch.amp.GradScaler(device.type) if loss_scaling else None
+        self.losses_finite = True
+
+    def backward(self, loss: torch.Tensor):
+        if self.scaler is None:
+            return loss.backward()
+        self.losses_finite &= bool(torch.isfinite(loss.detach()))
+        self.scaler.scale(loss).backward()
 
     def step(self, optimizer, params: list, grad_clip: float) -> tuple[bool, float]:
         """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        finite = torch.isfinite(norm.detach()).float().reshape(1).to(self.device)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
+        flags = torch.tensor([float(torch.isfinite(norm.detach())), float(self.losses_finite)], device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        stepped = bool(finite.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        stepped, losses_finite = bool(flags[0].item()), bool(flags[1].item())
         if stepped:
             optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+            self.losses_finite = True
         optimizer.zero_grad(set_to_none=True)
-        self.in_a_row = 0 if stepped else self.in_a_row + 1
+        overflow = not stepped and self.scaler is not None and losses_finite
+        self.in_a_row = 0 if stepped or overflow else self.in_a_row + 1
         self.skipped += not stepped
         if self.in_a_row >= self.max_bad:
             raise TrainingStopped(f"{self.in_a_row} optimizer steps in a row had a NaN or inf gradient norm (from a "
@@ -1115,8 +1216,8 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
         return _training_state(checkpoint)["iteration"]
     info = json.loads(info_file.read_text())
     for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
-                      ("lora_alpha", "--lora-alpha"), ("ema", "--ema")]:
-        theirs, ours = info.get(key), meta[key]
+                      ("lora_alpha", "--lora-alpha"), ("ema", "--ema"), ("fsdp", "--fsdp")]:
+        theirs, ours = info.get(key), meta.get(key)
         if theirs is None or theirs == ours or (key == "lora_alpha" and not meta["lora_rank"]):
             continue
         if key == "trainer":
@@ -1126,6 +1227,9 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
             fix = "drop --ema (its EMA would start from the checkpoint's weights)" if ours else "pass --ema"
             raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} EMA and this "
                              f"run has {'--ema' if ours else '--no-ema'}: {fix}")
+        if key == "fsdp":  # its training state is in per-rank shards, or in one file
+            raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} --fsdp: "
+                             f"{'pass --fsdp' if theirs else 'drop --fsdp'} to resume it")
         raise UsageError(f"checkpoint {checkpoint} has {flag} {theirs}, this run {ours}: pass {flag} {theirs}")
     return info["iteration"]
 
@@ -1154,6 +1258,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         on, these hold the EMA weights;
       - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds;
       - checkpoint.json: `meta` (trainer, model, LoRA, EMA) and the iteration, which --resume checks.
+    Under --fsdp every rank also writes its shards of the training state (shards/rank_NNNNN.pt: restored under
+    the same number of ranks) and the full transformer is gathered to rank 0, which writes it.
     A checkpoint of this iteration that already exists is kept (the state is the same). Weights that are not
     finite on any rank are never written: the run stops instead. Every rank calls it; rank 0 writes, all wait."""
     ckpt_root = Path(run_dir) / "checkpoints"
@@ -1161,7 +1267,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
-    if rt.is_main:
+    if any(hasattr(q, "to_local") for q in params):
+        _write_sharded_checkpoint(final, iteration, elapsed, meta, adapter, params, optimizer, ema, rt)
+    elif rt.is_main:
         _write_checkpoint(final, iteration, elapsed, meta, adapter, params, lora, optimizer, ema)
     barrier()
     return final
@@ -1196,6 +1304,69 @@ def _write_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, a
                               f"--resume the last checkpoint there") from None
 
 
+def _write_sharded_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list,
+                              optimizer, ema: EMA | None, rt: Runtime):
+    """save_checkpoint under --fsdp: the same folder, written by every rank (see there)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    ckpt_root = final.parent
+    if broadcast_object(final.is_dir()):
+        return
+    tmp = None
+    try:
+        if rt.is_main:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
+        tmp = broadcast_object(tmp)
+        shard = {"params": [local(q.detach()).cpu() for q in params], "optimizer": _local_tree(optimizer.state_dict()),
+                 "ema": _local_tree(ema.state_dict()) if ema else None, "world_size": rt.world_size}
+        (tmp / "shards").mkdir(exist_ok=True)
+        torch.save(shard, tmp / "shards" / f"rank_{rt.rank:05d}.pt")
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():  # collective: rank 0 gets it all
+            weights = get_model_state_dict(adapter.transformer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rt.is_main:
+            _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
+            torch.save({"iteration": iteration, "params": [], "fsdp_world_size": rt.world_size, "optimizer": None,
+                        "ema": None, "elapsed": elapsed}, tmp / "training_state.pt")
+            (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
+        ok = 1.0
+    except (OSError, RuntimeError) as e:
+        ok, error = 0.0, f"{type(e).__name__}: {e}"
+    flags = torch.tensor([ok], device=rt.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if flags.item() < 1:
+        if rt.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {ckpt_root} "
+                              f"({error if ok < 1 else 'on another rank'}); free disk space or pass another "
+                              f"--output-dir and --resume the last checkpoint there")
+    barrier()  # every shard is written
+    if rt.is_main:
+        os.replace(tmp, final)
+        write_atomic(ckpt_root / "latest", final.name)
+
+
+def _local_tree(obj):
+    """A state dict with every DTensor replaced by this rank's shard (a plain tensor, on the CPU)."""
+    if isinstance(obj, dict):
+        return {k: _local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local_tree(v) for v in obj)
+    return local(obj).detach().cpu() if isinstance(obj, torch.Tensor) else obj
+
+
+def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
+    """What save_pretrained writes (config.json and the safetensors weights) from a full state dict, for a model
+    whose class FSDP2 has wrapped (the config names the original class, so from_pretrained reads it)."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True)
+    original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
+    config = {"_class_name": original.__name__, **{k: v for k, v in dict(model.config).items()
+                                                  if not k.startswith("_")}}
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=list))
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
+
+
 def _training_state(checkpoint: Path) -> dict:
     try:
         state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
@@ -1209,6 +1380,9 @@ def _training_state(checkpoint: Path) -> dict:
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
     """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
     state = _training_state(checkpoint)
+    if "fsdp_world_size" in state or any(hasattr(q, "to_local") for q in params):
+        _load_shards(checkpoint, state, params, optimizer, ema)
+        return state.get("elapsed", 0.0)
     saved = state["params"]
     if len(saved) != len(params):
         raise UsageError(f"checkpoint {checkpoint} holds {len(saved)} trainable tensors and this model {len(params)}: "
@@ -1225,6 +1399,39 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     if ema is not None and state.get("ema"):
         ema.load_state_dict(state["ema"])
     return state.get("elapsed", 0.0)
+
+
+def _load_shards(checkpoint: Path, state: dict, params: list, optimizer, ema: EMA | None):
+    """load_checkpoint under --fsdp: this rank's shards, into the sharded parameters, AdamW state and EMA."""
+    from torch.distributed.tensor import DTensor
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharded = any(hasattr(q, "to_local") for q in params)
+    if "fsdp_world_size" not in state or not sharded or state["fsdp_world_size"] != world:
+        if "fsdp_world_size" in state:
+            raise UsageError(f"checkpoint {checkpoint} was trained with --fsdp on {state['fsdp_world_size']} ranks: "
+                             f"resume it with --fsdp under torchrun with {state['fsdp_world_size']} processes")
+        raise UsageError(f"checkpoint {checkpoint} was trained without --fsdp: resume it without --fsdp")
+    shard = torch.load(checkpoint / "shards" / f"rank_{dist.get_rank():05d}.pt", map_location="cpu",
+                       weights_only=False)
+
+    def dtensor_like(saved, like):
+        return DTensor.from_local(saved.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+                                  stride=like.stride())
+    with torch.no_grad():
+        for q, saved in zip(params, shard["params"], strict=True):
+            local(q).copy_(saved)
+    optim = shard["optimizer"]
+    for index, values in optim["state"].items():  # one parameter group: state i belongs to params[i]
+        like = params[index]
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.shape == local(like).shape and key != "step":
+                values[key] = dtensor_like(value, like)
+    optimizer.load_state_dict(optim)
+    if ema is not None and shard.get("ema"):
+        with torch.no_grad():
+            for s, saved in zip(ema.shadow, shard["ema"]["shadow"], strict=True):
+                local(s).copy_(saved)
+        ema.num_updates = shard["ema"]["num_updates"]
 
 
 # =============================================================================================
@@ -1248,8 +1455,11 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     mine = list(range(runtime.rank, num_images, runtime.world_size))
     sums = torch.zeros(3, dtype=torch.float64)
     images = []
-    for i in range(0, len(mine), batch_size):
+    for i in range(0, -(-num_images // runtime.world_size), batch_size):  # as many batches on every rank (FSDP)
         chunk = mine[i: i + batch_size]
+        if not chunk:  # a rank with one image fewer: a forward pass that counts nothing, so every rank calls
+            sample_ode(adapter, net, adapter.encode([records[0]["prompt"]]), adapter.noise(1), sigmas)
+            continue
         prompts = [records[j % len(records)]["prompt"] for j in chunk]
         x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
         imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
@@ -1551,10 +1761,11 @@ def pretrain_toy(argv=None):
 
 
 # =============================================================================================
-# Appendix B. Tiny offline pipelines: the real classes at a few thousand parameters, random weights
+# Appendix B. Offline pipelines: the real classes with random weights, published or tiny sizes
 # =============================================================================================
-# Tiny random-weight versions of the real pipelines, built offline: every class is the real one, the
-# tokenizers are built in code from an in-memory vocabulary. Tests use them to check the full-scale path.
+# Every class is the real one; the tokenizers are built in code from an in-memory vocabulary. Tests use these
+# to check the full-scale path without downloads: the published architectures (parameter counts, LoRA targets,
+# one training iteration at real width and reduced depth) and tiny ones (tiny-flux, tiny-sd3) for the rest.
 
 # --model tiny-flux / tiny-sd3 run a trainer's flux / sd3 settings at these smoke-run sizes (`model_overrides`);
 # a trainer adds what its method needs to fit them under the "tiny" key of its MODEL_DEFAULTS.
@@ -1573,6 +1784,7 @@ TINY_DEFAULTS = {
     "lora_alpha": 8,
     "ema": False,
     "gradient_checkpointing": False,
+    "fsdp": False,
 }
 _TINY_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man woman "
                "person astronaut red blue green yellow black white car house tree flower city street sky night "
@@ -1610,81 +1822,159 @@ def _tiny_t5_tokenizer():
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
 
 
-def _tiny_text_encoders(tokenizers: dict, widths: dict):
-    """CLIP (2 layers, with projection when the pipeline expects it) and T5 (2 layers) at tiny widths."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-    out = {}
-    for name, tok in tokenizers.items():
-        w = widths[name]
-        if "t5" in type(tok).__name__.lower():
-            out[name] = T5EncoderModel(T5Config(
-                vocab_size=len(tok), d_model=w, d_kv=8, d_ff=2 * w, num_layers=2, num_heads=w // 8,
-                relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
-                dropout_rate=0.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                decoder_start_token_id=tok.pad_token_id))
-        else:
-            cls = CLIPTextModelWithProjection if widths.get("projection") else CLIPTextModel
-            out[name] = cls(CLIPTextConfig(
-                vocab_size=len(tok), hidden_size=w, intermediate_size=2 * w, projection_dim=w, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+# Each component's published config.json (FLUX.1-dev, Stable Diffusion 3.5 Medium), written here so that the
+# real architectures build offline with random weights. `random_pipeline` builds them at full depth (on `meta`,
+# to count parameters, or on a GPU) or at reduced depth: N transformer blocks of each kind and 1-layer text
+# encoders, every width, head count, rope axis, pooled and joint dimension as published.
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+              num_attention_heads=12, hidden_act="quick_gelu")
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
+              num_attention_heads=20, hidden_act="gelu")
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
+VAE_16CH = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
+                sample_size=1024)
+PUBLISHED = {
+    "flux": {  # black-forest-labs/FLUX.1-dev
+        "transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                            guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+        "text_encoder": CLIP_L, "text_encoder_2": T5_XXL,
+        "vae": dict(VAE_16CH, scaling_factor=0.3611, shift_factor=0.1159),
+    },
+    "sd3": {  # stabilityai/stable-diffusion-3.5-medium
+        "transformer": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+        "text_encoder": CLIP_L, "text_encoder_2": CLIP_G, "text_encoder_3": T5_XXL,
+        "vae": dict(VAE_16CH, scaling_factor=1.5305, shift_factor=0.0609),
+    },
+}
+# tiny-flux / tiny-sd3: the same structure at a few thousand parameters
+TINY = {
+    "flux": {
+        "transformer": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                            guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+                             num_attention_heads=4),
+        "text_encoder_2": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                               relative_attention_max_distance=32, feed_forward_proj="gated-gelu"),
+        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+                    sample_size=64, scaling_factor=0.3611, shift_factor=0.1159),
+    },
+    "sd3": {
+        "transformer": dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=96, caption_projection_dim=32,
+                            pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
+                            dual_attention_layers=(0,), qk_norm="rms_norm"),
+        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+                             num_attention_heads=4),
+        "text_encoder_2": dict(hidden_size=48, intermediate_size=96, projection_dim=48, num_hidden_layers=2,
+                               num_attention_heads=4),
+        "text_encoder_3": dict(d_model=96, d_kv=8, d_ff=192, num_layers=2, num_heads=12,
+                               relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                               feed_forward_proj="gated-gelu"),
+        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+                    sample_size=64, scaling_factor=1.5305, shift_factor=0.0609),
+    },
+}
+
+
+def reduced(configs: dict, blocks: int) -> dict:
+    """`configs` with `blocks` transformer blocks of each kind (SD3: dual attention where the published model has
+    it, in its first 13 blocks) and 1-layer text encoders; every width unchanged."""
+    out = {k: dict(v) for k, v in configs.items()}
+    t = out["transformer"]
+    t["num_layers"] = blocks
+    if "num_single_layers" in t:
+        t["num_single_layers"] = blocks
+    if t.get("dual_attention_layers"):
+        t["dual_attention_layers"] = tuple(range(min(blocks, len(t["dual_attention_layers"]))))
+    for name in out:
+        if name.startswith("text_encoder"):
+            out[name]["num_layers" if "d_model" in out[name] else "num_hidden_layers"] = 1
     return out
 
 
-def _tiny_vae(scaling_factor: float, shift_factor: float):
-    """4 blocks (vae_scale_factor 8, as the real ones), 16 latent channels."""
-    from diffusers import AutoencoderKL
-    return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
-                         sample_size=64, scaling_factor=scaling_factor, shift_factor=shift_factor,
-                         use_quant_conv=False, use_post_quant_conv=False)
+def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
+    """A FluxPipeline / StableDiffusion3Pipeline of the real classes from `configs` (PUBLISHED, TINY or `reduced`
+    ones), random weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes _freeze_pipeline
+    keeps for compute dtype `dtype`. The tokenizers are built in code with a small vocabulary (other words are
+    spelled out in characters); prompts are padded to the maximum length, so sequence lengths are the real ones."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    if family == "flux":
+        toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_t5_tokenizer()}
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+        pipe_cls, transformer_cls = FluxPipeline, FluxTransformer2DModel
+    else:
+        toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_clip_tokenizer(pad_token="!"),
+                "text_encoder_3": _tiny_t5_tokenizer()}
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        pipe_cls, transformer_cls = StableDiffusion3Pipeline, SD3Transformer2DModel
+    modules = {}
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        for name, tok in toks.items():  # each cast as it is built: a full-size build holds one float32 module
+            modules[name] = _cast(_text_encoder(tok, configs[name], projection=family == "sd3"), dtype)
+        modules["transformer"] = _cast(transformer_cls(**configs["transformer"]), weight_dtype(dtype))
+        modules["vae"] = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
+                                       up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False,
+                                       use_post_quant_conv=False, **configs["vae"])
+    tokenizers = {name.replace("text_encoder", "tokenizer"): tok for name, tok in toks.items()}
+    pipe = pipe_cls(scheduler=scheduler, **tokenizers, **modules)
+    for m in modules.values():
+        m.eval()
+    return pipe
+
+
+def random_depth(model_path: str | None) -> int | None:
+    """For --model-path random (the published architecture at full depth: None) or random:N (N blocks of each
+    kind, 1-layer text encoders, real widths: N); any other path is not ours to check (None)."""
+    if not (model_path or "").startswith("random"):
+        return None
+    depth = model_path.removeprefix("random").removeprefix(":")
+    if model_path != "random" and not (model_path.startswith("random:") and depth.isdigit() and int(depth) >= 1):
+        raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with N >= 1 blocks")
+    return int(depth) if depth else None
+
+
+def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
+    """--model-path random / random:N: the published architecture with random weights, built in code, nothing
+    downloaded (`random_depth`)."""
+    depth = random_depth(model_path)
+    return build_pipeline(family, reduced(PUBLISHED[family], depth) if depth else PUBLISHED[family], device=device,
+                          dtype=dtype)
 
 
 def build_tiny_flux(seed: int = 0):
     """A FluxPipeline with FLUX.1-dev's structure (guidance embedding, CLIP + T5, dynamic-shift scheduler)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_t5_tokenizer()}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoders = _tiny_text_encoders(toks, {"text_encoder": 32, "text_encoder_2": 32})
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6))
-        vae = _tiny_vae(0.3611, 0.1159)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                base_image_seq_len=256, max_image_seq_len=4096)
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, tokenizer=toks["text_encoder"],
-                        tokenizer_2=toks["text_encoder_2"], **encoders)
-    return _eval_all(pipe)
+    return build_pipeline("flux", TINY["flux"], seed)
 
 
 def build_tiny_sd3(seed: int = 0):
     """A StableDiffusion3Pipeline with SD3.5-Medium's structure (two CLIPs + T5, qk-norm, dual attention)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_clip_tokenizer(pad_token="!"),
-            "text_encoder_3": _tiny_t5_tokenizer()}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoders = _tiny_text_encoders(toks, {"text_encoder": 32, "text_encoder_2": 48, "text_encoder_3": 96,
-                                              "projection": True})
-        transformer = SD3Transformer2DModel(
-            sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=80, out_channels=16,
-            pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm")
-        vae = _tiny_vae(1.5305, 0.0609)
-    pipe = StableDiffusion3Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, transformer=transformer,
-        tokenizer=toks["text_encoder"], tokenizer_2=toks["text_encoder_2"], tokenizer_3=toks["text_encoder_3"],
-        **encoders)
-    return _eval_all(pipe)
+    return build_pipeline("sd3", TINY["sd3"], seed)
 
 
-def _eval_all(pipe):
-    for m in pipe.components.values():
-        if isinstance(m, torch.nn.Module):
-            m.eval()
-    return pipe
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
+
+
+def _text_encoder(tok, config: dict, projection: bool):
+    """T5's encoder (a config with d_model) or CLIP's text model (with the projection SD3 pools through), with
+    the tokenizer's special ids; the vocabulary is the config's, else the tokenizer's."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    config = {"vocab_size": len(tok), **config}
+    if "d_model" in config:
+        return T5EncoderModel(T5Config(**config, dropout_rate=0.0, pad_token_id=tok.pad_token_id,
+                                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id))
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return cls(CLIPTextConfig(**config, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ This is the baseline the other trainers are copies of; it uses common.sde_step f
 Simplifications / readings (vs the paper and its official code):
   1. Each rank owns whole groups (all G samples of its prompts): the advantage's group mean needs no
      gather. The std is the group's own (`--no-global-std`) or that of all rewards of the iteration,
-     gathered across ranks (`--global-std`, the official default).
+     gathered across ranks (`--global-std`, the official default); a population std (np.std), as the
+     official code computes it.
   2. The KL is the exact KL between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
      like the log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides
      by 2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
@@ -16,6 +17,9 @@ Simplifications / readings (vs the paper and its official code):
      holds exactly the samples it was generated with, so the first update is bitwise on-policy (ratio 1).
   4. Samples with zero advantage are kept (the SD3 scripts drop them); their loss is zero anyway.
   5. `--updates-per-rollout` optimizer steps per iteration (official: 2, via gradient accumulation).
+  6. At full scale, as the official code: SD3.5 computes under fp16 autocast over float32 transformer weights
+     with loss scaling (`--dtype fp16`), FLUX in bf16; SD3's T5 prompt has 128 tokens (the pipeline's default
+     is 256); the EMA's decay warm-up counts optimizer steps (common.EMA).
 
 Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
 name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
@@ -27,6 +31,7 @@ Run:
   torchrun --nproc_per_node=8 flow_grpo.py --model flux --reward pickscore
   torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 \\
       --prompts-per-step 64
+  torchrun --nproc_per_node=8 flow_grpo.py --model sd3 --lora-rank 0 --fsdp --lr 1e-5   # full fine-tuning, FSDP2
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps.
@@ -53,7 +58,8 @@ from common import field
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
-    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
+                                         "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
@@ -74,12 +80,18 @@ class Args:
     threads: int = field(2, "CPU threads (CPU runs only)")
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
+                               "scaling); CPU runs compute in float32")
+    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
     lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
     lora_alpha: float = field(0.0, "LoRA alpha")
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
+    fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
+                              "LoRA runs replicate with DDP")
     # <<< shared: args
     # --- Flow-GRPO ---
     iterations: int = field(30, "training iterations (rollout + update)")
@@ -107,6 +119,7 @@ MODEL_DEFAULTS = {
         "eval_steps": 40,
         "resolution": 512,
         "guidance_scale": 4.5,
+        "dtype": "fp16",
         "lora_rank": 32,
         "lora_alpha": 64,
         "ema": True,
@@ -139,8 +152,14 @@ MODEL_DEFAULTS = {
 }
 
 
-# ---- 1. Method functions ----
-# (none: Flow-GRPO's step math is common.sde_step; the loop below is the method)
+# ---- 1. Method functions (the step math is common.sde_step; the loop below is the method) ----
+def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
+    """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,).
+    The std is a population one (np.std, as the official code), of all the iteration's rewards on all ranks
+    (global_std) or of the group's own."""
+    grouped = rearrange(rewards, "(b g) -> b g", g=G)
+    std = common.all_gather_cat(rewards).std(correction=0) if global_std else grouped.std(1, correction=0, keepdim=True)
+    return rearrange((grouped - grouped.mean(1, keepdim=True)) / (std + 1e-4), "b g -> (b g)")
 
 
 def main(args: Args) -> dict:
@@ -155,10 +174,14 @@ def main(args: Args) -> dict:
     common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
     if args.lora_rank:
         common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    rt = common.setup_runtime(args.seed, args.threads)
+    common.random_depth(args.model_path)
+    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
     W = rt.world_size
     if args.prompts_per_step % W:
         raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    if args.fsdp and (args.lora_rank or W < 2):
+        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
+                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
@@ -184,7 +207,7 @@ def main(args: Args) -> dict:
     common.parse_reward_spec(args.reward)
     config = dataclasses.asdict(args)
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema}  # --resume refuses a checkpoint that differs
+            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
     run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
@@ -192,7 +215,8 @@ def main(args: Args) -> dict:
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
-    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
+                                args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
@@ -201,14 +225,17 @@ def main(args: Args) -> dict:
     # <<< shared: setup-model
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+        params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
     start = run.start                                        # 0, or the iteration of the checkpoint resumed
     elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
-    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
                            history=run.history)
-    guard = common.StepGuard(args.max_bad_steps, rt.device)  # skips non-finite steps on every rank
+    guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
+                             loss_scaling=rt.dtype == torch.float16)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
 
@@ -253,7 +280,7 @@ def main(args: Args) -> dict:
             metrics.update(run_eval(it))
             t0 += time.time() - tic                          # time_s leaves evaluation out
         if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed:
+            if rt.distributed and not args.fsdp:
                 metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
@@ -294,13 +321,7 @@ def main(args: Args) -> dict:
             images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
             rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
         rewards = rewards.to(rt.device).float()
-        grouped = rearrange(rewards, "(b g) -> b g", g=G)
-        mean = grouped.mean(1, keepdim=True)
-        if args.global_std:
-            std = common.all_gather_cat(rewards).std()
-        else:
-            std = grouped.std(1, keepdim=True)
-        advantages = rearrange((grouped - mean) / (std + 1e-4), "b g -> (b g)").clamp(-args.adv_clip, args.adv_clip)
+        advantages = group_advantages(rewards, G, args.global_std).clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
@@ -327,7 +348,7 @@ def main(args: Args) -> dict:
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
-                        (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
+                        guard.backward(loss / (len(chunk) * T_train))  # per step: one step's activations alive
                     step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
                             "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
                             "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}
@@ -343,7 +364,7 @@ def main(args: Args) -> dict:
         t_update = time.time() - tic
 
         # ---- 3d. Log ----
-        zero_std = (grouped.std(1) < 1e-6).float().mean()
+        zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),

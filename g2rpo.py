@@ -42,9 +42,10 @@ Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO,
   8. Updates run k = 0, 1, ... in order after all rollouts of the iteration, so only the first update of an
      iteration is exactly on-policy (ratio 1); a step's loss is the mean over all branches of all prompts of
      the rank (official: one prompt per GPU), and DDP averages the ranks.
-  9. LoRA by default at full scale. The paper fine-tunes all of FLUX (lr 2e-6, FSDP, fp32 master weights);
-     DDP over bf16 weights neither fits a 12B model nor keeps lr-2e-6 updates. --lora-rank 0 gives full
-     fine-tuning (the toy default). The LoRA lr 1e-4 is our pick.
+  9. FLUX at full scale is the paper's full fine-tuning: all 12B parameters at lr 2e-6, sharded with FSDP2
+     over float32 master weights (--fsdp, so it needs torchrun with 2+ GPUs; 8 per node in practice).
+     `--lora-rank 64 --lora-alpha 128 --no-fsdp --lr 1e-4` is the LoRA alternative on fewer GPUs (lr our
+     pick). SD3.5 is not in the paper: LoRA there, as Flow-GRPO trains it.
  10. The official code feeds the transformer timesteps rounded to 1/1000; we pass t as is. The anchor's own
      image is scored for logging only (anchor_reward), as in the official code.
  11. --micro-batch counts rows per forward: prompts in the anchor and in the update (the same chunks, so the
@@ -56,8 +57,8 @@ name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were 
 
 Run:
   python g2rpo.py                                       # toy model, CPU, a few minutes
-  python g2rpo.py --model flux --reward pickscore       # one GPU (~1,800 evaluations per prompt per iteration)
-  torchrun --nproc_per_node=8 g2rpo.py --model flux --reward pickscore
+  torchrun --nproc_per_node=8 g2rpo.py --model flux --reward pickscore      # full fine-tuning, FSDP2 (the paper)
+  python g2rpo.py --model flux --no-fsdp --lora-rank 64 --lora-alpha 128 --lr 1e-4   # one GPU, LoRA
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 g2rpo.py --model flux
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = anchor[:, k]; z_{k+1}^i = branches[:, k, i];
@@ -87,7 +88,8 @@ from common import field
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
-    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
+                                         "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
@@ -108,12 +110,18 @@ class Args:
     threads: int = field(2, "CPU threads (CPU runs only)")
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
+                               "scaling); CPU runs compute in float32")
+    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
     lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
     lora_alpha: float = field(0.0, "LoRA alpha")
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
+    fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
+                              "LoRA runs replicate with DDP")
     # <<< shared: args
     # --- G2RPO ---
     iterations: int = field(30, "training iterations (rollout + update)")
@@ -133,7 +141,8 @@ class Args:
     beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none")
 
 
-# Full scale: what differs from the toy defaults above, from the paper and its official scripts (LoRA: reading 9).
+# Full scale: what differs from the toy defaults above, from the paper and its official scripts (FLUX: full
+# fine-tuning with FSDP2; SD3: LoRA; reading 9).
 # tiny-* shrink these.
 MODEL_DEFAULTS = {
     "sd3": {
@@ -143,6 +152,7 @@ MODEL_DEFAULTS = {
         "eval_steps": 40,
         "resolution": 512,
         "guidance_scale": 4.5,
+        "dtype": "fp16",
         "lora_rank": 32,
         "lora_alpha": 64,
         "gradient_checkpointing": True,
@@ -160,15 +170,18 @@ MODEL_DEFAULTS = {
         "eval_steps": 28,
         "resolution": 720,
         "guidance_scale": 3.5,
-        "lora_rank": 64,
-        "lora_alpha": 128,
         "gradient_checkpointing": True,
+        "fsdp": True,
         "iterations": 300,
         "prompts_per_step": 16,
         "group_size": 12,
         "micro_batch": 8,
+        "lr": 2e-6,
         "sample_steps": 16,
         "grid_shift": 3.0,
+    },
+    "tiny": {  # smoke runs train a LoRA (common.TINY_DEFAULTS): the LoRA lr of reading 9, not full FLUX's 2e-6
+        "lr": 1e-4,
     },
 }
 
@@ -252,10 +265,14 @@ def main(args: Args) -> dict:
     common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
     if args.lora_rank:
         common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    rt = common.setup_runtime(args.seed, args.threads)
+    common.random_depth(args.model_path)
+    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
     W = rt.world_size
     if args.prompts_per_step % W:
         raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    if args.fsdp and (args.lora_rank or W < 2):
+        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
+                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     M = args.micro_batch
@@ -276,7 +293,7 @@ def main(args: Args) -> dict:
     common.parse_reward_spec(args.reward)
     config = dataclasses.asdict(args)
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema}  # --resume refuses a checkpoint that differs
+            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
     run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
@@ -284,7 +301,8 @@ def main(args: Args) -> dict:
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
-    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
+                                args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
@@ -293,14 +311,17 @@ def main(args: Args) -> dict:
     # <<< shared: setup-model
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+        params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
     start = run.start                                        # 0, or the iteration of the checkpoint resumed
     elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
-    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
                            history=run.history)
-    guard = common.StepGuard(args.max_bad_steps, rt.device)  # skips non-finite steps on every rank
+    guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
+                             loss_scaling=rt.dtype == torch.float16)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
 
@@ -351,7 +372,7 @@ def main(args: Args) -> dict:
             metrics.update(run_eval(it))
             t0 += time.time() - tic                          # time_s leaves evaluation out
         if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed:
+            if rt.distributed and not args.fsdp:
                 metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
@@ -443,7 +464,7 @@ def main(args: Args) -> dict:
                     kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                         if args.beta > 0 else torch.zeros(P, device=pg.device)
                     loss = pg.mean() + args.beta * kl.mean()
-                    (loss * P / B).backward()                 # the step's loss: mean over all the rank's branches
+                    guard.backward(loss * P / B)             # the step's loss: mean over all the rank's branches
                 step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
                         "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
                         "approx_kl": 0.5 * ((lp - log_probs[rows, k]) ** 2).mean()}

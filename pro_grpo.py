@@ -36,8 +36,9 @@ Simplifications / readings (the paper releases no code and leaves these open):
      {5, 7} with T = 10 costs 48*6 + 24*2 + 12*2 = 360 sampling evaluations per prompt (a count that
      skips the checkpoint evaluation of the pruned ones gives 324).
   3. Previews are scored with the training reward; the final advantages use the survivors' true
-     rewards. The advantage is Flow-GRPO's per-group form over the K survivors: mean and (unbiased)
-     std over them, + 1e-4, clamped to +-adv_clip. No global std: the paper normalises within the group.
+     rewards. The advantage is Flow-GRPO's per-group form over the K survivors: mean and population
+     std (np.std, as Flow-GRPO's code) over them, + 1e-4, clamped to +-adv_clip. No global std: the
+     paper normalises within the group.
   4. Survivors train on all of the baseline's trained steps (the first int(0.99 T)), including those
      before the checkpoints, where their rollout velocities came from micro-batches that also held
      trajectories pruned later (on CPU the recomputed log-probs still match bit for bit, tested; kernels
@@ -93,7 +94,8 @@ from common import field
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
-    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
+                                         "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
@@ -114,12 +116,18 @@ class Args:
     threads: int = field(2, "CPU threads (CPU runs only)")
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
+                               "scaling); CPU runs compute in float32")
+    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
     lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
     lora_alpha: float = field(0.0, "LoRA alpha")
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
+    fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
+                              "LoRA runs replicate with DDP")
     # <<< shared: args
     # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
     iterations: int = field(30, "training iterations (rollout + update)")
@@ -151,6 +159,7 @@ MODEL_DEFAULTS = {
         "eval_steps": 40,
         "resolution": 512,
         "guidance_scale": 4.5,
+        "dtype": "fp16",
         "lora_rank": 32,
         "lora_alpha": 64,
         "ema": True,
@@ -223,7 +232,7 @@ def survivor_advantages(rewards: torch.Tensor, adv_clip: float) -> torch.Tensor:
     """[Pro-GRPO, advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
     ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
     mean = rewards.mean(1, keepdim=True)
-    std = rewards.std(1, keepdim=True)
+    std = rewards.std(1, correction=0, keepdim=True)       # population std, as Flow-GRPO's code
     return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)").clamp(-adv_clip, adv_clip)
 
 
@@ -260,10 +269,14 @@ def main(args: Args) -> dict:
     common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
     if args.lora_rank:
         common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    rt = common.setup_runtime(args.seed, args.threads)
+    common.random_depth(args.model_path)
+    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
     W = rt.world_size
     if args.prompts_per_step % W:
         raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    if args.fsdp and (args.lora_rank or W < 2):
+        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
+                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     T = args.sample_steps
     sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, T)  # [Pro-GRPO, funnel]
@@ -292,7 +305,7 @@ def main(args: Args) -> dict:
     common.parse_reward_spec(args.reward)
     config = dataclasses.asdict(args)
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema}  # --resume refuses a checkpoint that differs
+            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
     run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
@@ -300,7 +313,8 @@ def main(args: Args) -> dict:
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
-    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
+                                args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
@@ -309,14 +323,17 @@ def main(args: Args) -> dict:
     # <<< shared: setup-model
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+        params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
     start = run.start                                        # 0, or the iteration of the checkpoint resumed
     elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
-    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
                            history=run.history)
-    guard = common.StepGuard(args.max_bad_steps, rt.device)  # skips non-finite steps on every rank
+    guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
+                             loss_scaling=rt.dtype == torch.float16)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
 
@@ -375,7 +392,7 @@ def main(args: Args) -> dict:
             metrics.update(run_eval(it))
             t0 += time.time() - tic                          # time_s leaves evaluation out
         if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed:
+            if rt.distributed and not args.fsdp:
                 metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
@@ -461,7 +478,7 @@ def main(args: Args) -> dict:
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
-                        (loss / (len(chunk) * T_train)).backward()  # backward per step: one step's activations alive
+                        guard.backward(loss / (len(chunk) * T_train))  # per step: one step's activations alive
                     step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
                             "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
                             "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}

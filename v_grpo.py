@@ -22,7 +22,8 @@ Differences from flow_grpo.py:
      the x-predictions at the kept pairs. No reference network and no reference forwards.
   6. Advantages: optional soft-clip A <- kappa tanh(A / kappa) (`--soft-clip kappa`) instead of the hard clamp.
   7. The advantage std is the group's by default (`--no-global-std`): the paper's "group z-score", as in the
-     FastVideo/DanceGRPO code V-GRPO builds on; flow_grpo.py defaults to the global std.
+     FastVideo/DanceGRPO code V-GRPO builds on, and unbiased like that code's (flow_grpo.py: the global,
+     population std of Flow-GRPO's code).
   8. Logged: NFE_old = rollout + old surrogate and NFE_theta per sample (the paper's accounting), the
      surrogate's value and its coefficients of variation over the batch and within groups (the paper's
      variance diagnostics), the time of the old surrogate.
@@ -89,7 +90,8 @@ from common import field
 class Args:
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
-    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights")
+    model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
+                                         "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
@@ -110,12 +112,18 @@ class Args:
     threads: int = field(2, "CPU threads (CPU runs only)")
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
+                               "scaling); CPU runs compute in float32")
+    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
     lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
     lora_alpha: float = field(0.0, "LoRA alpha")
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
+    fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
+                              "LoRA runs replicate with DDP")
     # <<< shared: args
     # --- V-GRPO ---
     iterations: int = field(20, "training iterations (rollout + update)")
@@ -148,6 +156,7 @@ MODEL_DEFAULTS = {
         "eval_steps": 40,
         "resolution": 512,
         "guidance_scale": 1.0,            # no CFG (reading 8)
+        "dtype": "fp16",
         "lora_rank": 32,
         "lora_alpha": 64,
         "ema": True,
@@ -258,6 +267,15 @@ def kl_to_old(x_hat: torch.Tensor, x_hat_old: torch.Tensor) -> torch.Tensor:
     return (x_hat - x_hat_old).pow(2).flatten(2).mean(2).mean(1)
 
 
+def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
+    """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,).
+    The std is the unbiased one of the DanceGRPO code (reading 7), of all the iteration's rewards on all ranks
+    (global_std) or of the group's own."""
+    grouped = rearrange(rewards, "(b g) -> b g", g=G)
+    std = common.all_gather_cat(rewards).std() if global_std else grouped.std(1, keepdim=True)
+    return rearrange((grouped - grouped.mean(1, keepdim=True)) / (std + 1e-4), "b g -> (b g)")
+
+
 def soft_clip(advantages: torch.Tensor, kappa: float) -> torch.Tensor:
     """[V-GRPO, advantage soft-clipping] A <- kappa tanh(A / kappa): linear near 0, saturating at +-kappa. On-policy
     the gradient is mean_i A_i grad L_i and raising a loss has no floor, so large |A| must not dominate."""
@@ -276,10 +294,14 @@ def main(args: Args) -> dict:
     common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
     if args.lora_rank:
         common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    rt = common.setup_runtime(args.seed, args.threads)
+    common.random_depth(args.model_path)
+    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
     W = rt.world_size
     if args.prompts_per_step % W:
         raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
+    if args.fsdp and (args.lora_rank or W < 2):
+        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
+                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
@@ -308,7 +330,7 @@ def main(args: Args) -> dict:
     common.parse_reward_spec(args.reward)
     config = dataclasses.asdict(args)
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema}  # --resume refuses a checkpoint that differs
+            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
     run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
@@ -316,23 +338,27 @@ def main(args: Args) -> dict:
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.build_reward(args.reward, rt.device)
-    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale)
+    adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
+                                args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
     lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
-    # (no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout)
+    ref = None  # no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout
     # >>> shared: setup-train
+    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+        params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
     start = run.start                                        # 0, or the iteration of the checkpoint resumed
     elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
-    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
+    net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
                            history=run.history)
-    guard = common.StepGuard(args.max_bad_steps, rt.device)  # skips non-finite steps on every rank
+    guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
+                             loss_scaling=rt.dtype == torch.float16)
     accuracy_fn = common.toy_accuracy if args.model == "toy" else None
     t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
 
@@ -371,7 +397,7 @@ def main(args: Args) -> dict:
             metrics.update(run_eval(it))
             t0 += time.time() - tic                          # time_s leaves evaluation out
         if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed:
+            if rt.distributed and not args.fsdp:
                 metrics["rank_param_diff"] = common.rank_param_diff(params)
             metrics["time_s"] = time.time() - t0
             logger.log(metrics)
@@ -416,13 +442,7 @@ def main(args: Args) -> dict:
             images = torch.cat([adapter.decode(samples[i:i + M]) for i in range(0, N, M)])
             rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
         rewards = rewards.to(rt.device).float()
-        grouped = rearrange(rewards, "(b g) -> b g", g=G)
-        mean = grouped.mean(1, keepdim=True)
-        if args.global_std:
-            std = common.all_gather_cat(rewards).std()
-        else:
-            std = grouped.std(1, keepdim=True)
-        advantages = rearrange((grouped - mean) / (std + 1e-4), "b g -> (b g)")
+        advantages = group_advantages(rewards, G, args.global_std)
         if args.soft_clip > 0:
             advantages = soft_clip(advantages, args.soft_clip)
         else:
@@ -448,7 +468,7 @@ def main(args: Args) -> dict:
                     pg, ratio = clipped_objective(surrogate, surrogate_old[idx], A, args.clip_range)
                     kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
                     loss = (pg + args.beta * kl).mean()
-                    (loss / len(chunk)).backward()
+                    guard.backward(loss / len(chunk))
                 step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
                         "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
                         "approx_kl": 0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(),
@@ -465,7 +485,7 @@ def main(args: Args) -> dict:
         t_update = time.time() - tic
 
         # ---- 3d. Log ----
-        zero_std = (grouped.std(1) < 1e-6).float().mean()
+        zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         work = common.work_done(adapter, reward_fn, work_before, guard)
         L_old = rearrange(surrogate_old, "(b g) -> b g", g=G)

@@ -17,3 +17,17 @@ torch.set_num_threads(1)  # many tiny ops: one thread is fastest on a small CPU
 def _cwd(tmp_path, monkeypatch):
     """Every test runs in its own temporary folder, so runs/ never lands in the checkout."""
     monkeypatch.chdir(tmp_path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes each; run with `python -m pytest -q tests -m slow`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run only when asked for (-m slow); the default suite skips them."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

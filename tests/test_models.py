@@ -52,3 +52,23 @@ def test_real_loader_reads_a_saved_pipeline(name, tmp_path):
     cond_a, cond_b = adapter.encode(PROMPTS[:1]), loaded.encode(PROMPTS[:1])
     torch.testing.assert_close(loaded.velocity(loaded.transformer, x, 0.7, cond_b),
                                adapter.velocity(adapter.transformer, x, 0.7, cond_a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_offloaded_text_encoders_go_to_the_device_only_to_encode(name, monkeypatch):
+    """--offload-encoders: every text encoder is sent to the compute device (a torch.device) for the encode and back
+    to "cpu" after it, and the conditioning is the same as with the encoders kept on the device."""
+    kept = common.load_model(name, RT, resolution=32, guidance_scale=4.5)
+    offloaded = common.load_model(name, RT, resolution=32, guidance_scale=4.5, offload_encoders=True)
+    encoders = [m for n, m in offloaded.pipe.components.items() if n.startswith("text_encoder")]
+    moves = []
+    for i, enc in enumerate(encoders):
+        to = enc.to
+        monkeypatch.setattr(enc, "to", lambda *a, i=i, to=to, **k: (moves.append((i, a[0])), to(*a, **k))[1])
+    want, got = kept.encode(PROMPTS), offloaded.encode(PROMPTS)
+    n = len(encoders)
+    assert [i for i, _ in moves] == list(range(n)) * 2
+    assert all(d == RT.device and isinstance(d, torch.device) for _, d in moves[:n])
+    assert [d for _, d in moves[n:]] == ["cpu"] * n
+    for key in want:
+        assert torch.equal(want[key], got[key])

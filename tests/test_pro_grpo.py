@@ -49,7 +49,7 @@ def test_ovf_hand_examples_and_tie_break():
 def test_survivor_advantages_are_normalised_per_prompt_over_survivors():
     r = torch.tensor([[0.0, 0.5, 1.0, 1.0], [0.2, 0.2, 0.2, 0.6]])
     A = pro_grpo.survivor_advantages(r, adv_clip=5.0)
-    want = [(x - statistics.mean(row)) / (statistics.stdev(row) + 1e-4) for row in r.tolist() for x in row]
+    want = [(x - statistics.mean(row)) / (statistics.pstdev(row) + 1e-4) for row in r.tolist() for x in row]  # np.std
     assert A.tolist() == pytest.approx(want, rel=1e-5)
     assert pro_grpo.survivor_advantages(r, adv_clip=1.0).tolist() == pytest.approx([max(-1, min(1, a)) for a in want],
                                                                                   rel=1e-5)

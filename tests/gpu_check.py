@@ -1,0 +1,378 @@
+"""The full-scale check: every trainer on FLUX.1-dev's and SD3.5-Medium's published architectures with random
+weights (`--model-path random`, common.random_pipeline: nothing is downloaded), scored by a random-weight reward
+model of PickScore's architecture (CLIP ViT-H/14), so every cost is real and no reward means anything. One table:
+seconds per iteration split into rollout / reward / update, images scored per second, peak GPU memory, and the
+framework's overhead: the iteration's model time (rollout + update) over the bare transformer passes it needs
+(its logged forward rows and forward+backward rows, each timed in the same process on the same module at the
+trainer's micro-batch, after the run).
+
+On a GPU, per model: each trainer at its full-scale settings (LoRA, gradient checkpointing, its per-GPU
+micro-batch M and dtype) with one prompt per iteration and a reduced group (GROUPS below), at 512 px, for 2
+iterations (the second measured); then flow_grpo without gradient checkpointing (every trainer with --full, 4
+iterations, the last 3 measured). Each model runs in its own worker process; a run that breaks the CUDA context
+(e.g. an illegal memory access) is recorded with its error, and the same trainer is retried without gradient
+checkpointing and with the flash attention kernel off, to show which setting avoids it.
+On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 128 px,
+32 T5 tokens, micro-batch 1, 4 sampling steps and one iteration, with checkpointing only: this keeps the path
+working (a test runs it); its times mean nothing.
+
+  python tests/gpu_check.py --quick            # meant to fit 8 minutes on one H200 (not yet timed there)
+  python tests/gpu_check.py --full             # every trainer with and without checkpointing, 4 iterations
+  python tests/gpu_check.py --models sd3 --trainers flow_grpo,g2rpo    # a subset
+  python tests/gpu_check.py --computed         # no run: the memory every full-scale run needs before activations
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TRAINERS = ["flow_grpo", "pro_grpo", "g2rpo", "v_grpo"]
+FAMILIES = ["flux", "sd3"]
+CUDA_BROKEN = ("CUDA error", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
+
+# The reduced group, in units of the trainer's micro-batch M (its per-GPU batch at full scale): two micro-batches
+# per prompt, so every trainer's update splits as at full scale. Pro-GRPO expands 4M and prunes to 3M, then 2M;
+# G2RPO branches M ways at 8 sampling steps (its 16-step, 12-branch rollout alone takes minutes per prompt).
+GROUPS = {
+    "flow_grpo": lambda M: ["--group-size", 2 * M],
+    "v_grpo": lambda M: ["--group-size", 2 * M],
+    "pro_grpo": lambda M: ["--group-size", 4 * M, "--funnel", f"{3 * M},{2 * M}", "--baseline-group", 2 * M],
+    "g2rpo": lambda M: ["--group-size", max(2, M), "--sample-steps", 8],
+}
+# CLIP ViT-H/14's published config (laion/CLIP-ViT-H-14-laion2B-s32B-b79K, PickScore_v1's architecture)
+CLIP_H = {"text_config": dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                              num_attention_heads=16, hidden_act="gelu", projection_dim=1024),
+          "vision_config": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                                image_size=224, patch_size=14, hidden_act="gelu", projection_dim=1024),
+          "projection_dim": 1024}
+
+
+# ---- one run, inside a worker ----
+def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, iterations: int, out: Path) -> list[str]:
+    """The command line of one run: the trainer's full-scale defaults for `family`, resized as above."""
+    module = importlib.import_module(trainer)
+    M = module.MODEL_DEFAULTS[family]["micro_batch"] if gpu else 1
+    argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
+            "--reward", "pickscore-random", "--iterations", iterations, "--eval-every", 0, "--save-every", 0,
+            "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
+            "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing", *GROUPS[trainer](M)]
+    if module.MODEL_DEFAULTS[family].get("fsdp"):  # one GPU: the LoRA alternative to a sharded full fine-tune
+        argv += ["--no-fsdp", "--lora-rank", 64, "--lora-alpha", 128, "--lr", 1e-4]
+    if gpu:
+        argv += ["--resolution", 512]
+    else:
+        argv += ["--resolution", 128, "--max-sequence-length", 32, "--threads", 2]
+        if "--sample-steps" not in argv:
+            argv += ["--sample-steps", 4]
+        argv += ["--checkpoints", "2,3"] if trainer == "pro_grpo" else []
+    return [str(a) for a in argv]
+
+
+def clip_h(layers: int | None = None):
+    """A transformers CLIPModel of CLIP_H's architecture, random weights (on the current default device); `layers`
+    per tower if given."""
+    from transformers import CLIPConfig, CLIPModel
+    depth = {"num_hidden_layers": layers} if layers else {}
+    return CLIPModel(CLIPConfig(text_config={**CLIP_H["text_config"], **depth},
+                                vision_config={**CLIP_H["vision_config"], **depth},
+                                projection_dim=CLIP_H["projection_dim"]))
+
+
+def random_pickscore():
+    """PickScore's scorer (its preprocessing, logit and scale) on clip_h with random weights: full depth on a GPU,
+    one layer per tower on CPU; common's offline CLIP tokenizer. Registered as the reward "pickscore-random"."""
+    import torch
+
+    import common
+
+    class RandomPickScore(common.PickScore):
+        def __init__(self, device="cpu"):  # builds instead of downloading (no super().__init__)
+            self.device, self.dtype, self.max_length = torch.device(device), torch.float32, 77
+            with torch.device(device):
+                self.model = clip_h(None if self.device.type == "cuda" else 1).eval().requires_grad_(False)
+            self.tokenizer = common._tiny_clip_tokenizer()
+            self.image_config = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224},
+                                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                                 "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    return RandomPickScore
+
+
+@contextlib.contextmanager
+def captured_adapter(box: dict):
+    """Keeps the adapter the trainer loads (common.load_model), to time its transformer after the run."""
+    import common
+    load = common.load_model
+
+    def keep(*args, **kwargs):
+        box["adapter"] = load(*args, **kwargs)
+        return box["adapter"]
+    common.load_model = keep
+    try:
+        yield box
+    finally:
+        common.load_model = load
+
+
+def bare_seconds_per_row(adapter, rows: int, grad: bool, repeats: int = 3) -> float:
+    """Median seconds per transformer row of adapter.velocity at `rows` samples (CFG doubles the rows the
+    transformer sees; counted by the adapter's hook), without grad, or forward + backward with it."""
+    import torch
+    sync = torch.cuda.synchronize if adapter.device.type == "cuda" else (lambda: None)
+    cond = adapter.encode(["a photo of a cat"] * rows)
+    x = adapter.noise(rows)
+    net = adapter.transformer.train(grad)
+    times = []
+    for _ in range(repeats + 1):                                  # the first is a warm-up
+        before = adapter.counts["fwd_grad" if grad else "fwd"]
+        sync()
+        tic = time.perf_counter()
+        with torch.set_grad_enabled(grad):
+            v = adapter.velocity(net, x, 0.7, cond)
+            if grad:
+                v.square().mean().backward()
+        sync()
+        times.append((time.perf_counter() - tic) / (adapter.counts["fwd_grad" if grad else "fwd"] - before))
+    net.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, iterations: int, out: Path) -> dict:
+    import torch
+
+    import common
+    torch.backends.cuda.enable_flash_sdp(flash)
+    module = importlib.import_module(trainer)
+    run_dir = out / f"{family}-{trainer}-{'ckpt' if ckpt else 'nockpt'}{'' if flash else '-noflash'}"
+    argv = trainer_argv(trainer, family, ckpt, gpu, iterations, run_dir)
+    gc.collect()                                                  # the last run's models (adapters hold cycles)
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    box = {}
+    with captured_adapter(box):
+        module.main(common.cli(module.Args, argv, module.MODEL_DEFAULTS))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
+    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "nfe_fwd" in m]
+    steps = steps[1:] or steps                                    # the first iteration warms up
+    mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in steps)  # noqa: E731
+    args = json.loads((run_dir / "args.json").read_text())
+    t = {"rollout": mean("t_rollout") + mean("t_surrogate_old"), "reward": mean("t_reward") + mean("t_preview"),
+         "update": mean("t_update")}
+    adapter = box.pop("adapter")
+    fwd = bare_seconds_per_row(adapter, args["micro_batch"], grad=False)
+    fwd_bwd = bare_seconds_per_row(adapter, args["micro_batch"], grad=True)
+    bare = mean("nfe_fwd") * fwd + mean("nfe_fwd_bwd") * fwd_bwd
+    del adapter
+    gc.collect()
+    return {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "status": "ok",
+            "resolution": args["resolution"], "group": args["group_size"], "micro_batch": args["micro_batch"],
+            "lora_rank": args["lora_rank"], "dtype": args["dtype"], "sample_steps": args["sample_steps"],
+            "peak_gib": peak, "s_per_it": sum(t.values()), **{f"t_{k}": v for k, v in t.items()},
+            "images_per_s": mean("reward_calls") / sum(t.values()), "nfe_fwd": mean("nfe_fwd"),
+            "nfe_fwd_bwd": mean("nfe_fwd_bwd"), "bare_fwd_s_per_row": fwd, "bare_fwd_bwd_s_per_row": fwd_bwd,
+            "overhead": (t["rollout"] + t["update"]) / bare}
+
+
+def worker(family: str, runs: list[list], gpu: bool, iterations: int, out: Path):
+    """Runs `runs` ([trainer, ckpt, flash]) in this process, appending each result to out/results.jsonl; exits 3
+    once the CUDA context is broken (the parent starts a new worker for the rest)."""
+    import common
+    common.REWARDS["pickscore-random"] = random_pickscore()
+    for trainer, ckpt, flash in runs:
+        try:
+            result = one_run(family, trainer, ckpt, flash, gpu, iterations, out)
+        except Exception as e:  # noqa: BLE001 - recorded in the table, then the next run
+            result = {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash,
+                      "status": f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        if any(s in result["status"] for s in CUDA_BROKEN):
+            sys.exit(3)
+
+
+# ---- the parent: plans the runs, restarts workers, prints the table ----
+def plan(trainers: list[str], full: bool, gpu: bool) -> list[list]:
+    """[trainer, checkpointing, flash attention] per run: every trainer with checkpointing; without it, flow_grpo
+    on a GPU (every trainer with --full)."""
+    runs = [[t, True, True] for t in trainers]
+    return runs + [[t, False, True] for t in trainers if full or (gpu and t == "flow_grpo")]
+
+
+def run_family(family: str, runs: list[list], a, out: Path) -> list[dict]:
+    """Runs the family's runs in workers, a new worker after one dies; a run that broke CUDA gets its
+    fallbacks queued (no checkpointing; no flash attention)."""
+    results, todo = [], list(runs)
+    while todo:
+        before = len(read_results(out))
+        cmd = [sys.executable, __file__, "--worker", family, "--runs", json.dumps(todo), "--out", str(out),
+               "--iterations", str(a.iterations)] + (["--cpu"] if a.cpu else [])
+        proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+        new = read_results(out)[before:]
+        if proc.returncode and len(new) < len(todo) and (not new or new[-1]["status"] == "ok"):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            trainer, ckpt, flash = todo[len(new)]
+            new.append({"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash,
+                        "status": f"error: worker died (exit {proc.returncode}): {tail}"})
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(new[-1]) + "\n")
+        results += new
+        todo = todo[len(new):]
+        for r in new:
+            if r["status"] != "ok" and any(s in r["status"] for s in (*CUDA_BROKEN, "worker died")):
+                for fallback in ([r["trainer"], False, True], [r["trainer"], r["ckpt"], False]):
+                    if fallback not in runs and fallback != [r["trainer"], r["ckpt"], r["flash"]]:
+                        runs.append(fallback)
+                        todo.append(fallback)
+    return results
+
+
+def read_results(out: Path) -> list[dict]:
+    path = out / "results.jsonl"
+    return [json.loads(s) for s in path.read_text().splitlines()] if path.exists() else []
+
+
+def versions() -> str:
+    import diffusers
+    import torch
+    import transformers
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    cuda = f" cuda {torch.version.cuda}" if torch.cuda.is_available() else ""
+    return (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}{cuda}, diffusers "
+            f"{diffusers.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}")
+
+
+def table(results: list[dict]) -> str:
+    head = ["model", "trainer", "checkpointing", "px", "group (M)", "LoRA", "dtype", "peak GiB", "s/it", "rollout",
+            "reward", "update", "img/s", "overhead", "status"]
+    rows = []
+    for r in results:
+        ok = r["status"] == "ok"
+
+        def f(key, digits=2, r=r, ok=ok):
+            return f"{r[key]:.{digits}f}" if ok and r.get(key) is not None else "-"
+        rows.append([r["model"], r["trainer"], ("on" if r["ckpt"] else "off") + ("" if r["flash"] else ", no flash"),
+                     str(r.get("resolution", "-")), f"{r['group']} ({r['micro_batch']})" if ok else "-",
+                     str(r.get("lora_rank", "-")), r.get("dtype", "-"), f("peak_gib", 1), f("s_per_it"),
+                     f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), f("overhead"), r["status"]])
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                     ["| " + " | ".join(row) + " |" for row in rows])
+
+
+# ---- --computed: what a full-scale run holds before activations ----
+def computed(trainers: list[str]) -> str:
+    """Per model and trainer at its full-scale defaults, from the published architectures built on `meta`: the
+    frozen weights in their dtypes, the trained parameters with their gradient, AdamW moments and EMA in float32
+    (under FSDP2 divided over 8 GPUs), a frozen reference copy under full fine-tuning with a KL, and the CLIP-H
+    reward model in float32. Then an estimate of the activations of one forward+backward under gradient
+    checkpointing (every trainer backpropagates one forward at a time): each block keeps its input, R rows x
+    (image + text tokens) x width in 16-bit, and the block being recomputed holds about 16 times that; R is the
+    rows of a training forward (the micro-batch; x2 for SD3's CFG; x the (t, eps) pairs for V-GRPO)."""
+    import torch
+
+    import common
+    with torch.device("meta"):
+        reward = sum(p.numel() for p in clip_h().parameters()) * 4
+    head = ["model", "trainer", "GPUs", "px", "prompts x group (M)", "LoRA, dtype", "frozen weights",
+            "trained + grad + AdamW (+ EMA)", "reference", "reward model", "before activations",
+            "with --offload-encoders", "activations, checkpointed (estimate)", "peak",
+            "s/it, img/s per GPU", "source"]
+    rows = []
+    for family in FAMILIES:
+        for trainer in trainers:
+            module = importlib.import_module(trainer)                # the settings `--model family` runs
+            d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
+            dtype = common.DTYPES[d.get("dtype", "bf16")]
+            pipe = common.random_pipeline(family, "random", device="meta", dtype=dtype)
+            transformer = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+            text = sum(p.numel() * p.element_size() for name, m in pipe.components.items()
+                       if name.startswith("text_encoder") for p in m.parameters())
+            frozen = sum(p.numel() * p.element_size() for m in pipe.components.values()
+                         if isinstance(m, torch.nn.Module) for p in m.parameters())
+            trained = common.add_lora(pipe.transformer, d.get("lora_rank", 0), d.get("lora_alpha", 1),
+                                      common.FLUX_LORA_TARGETS if family == "flux" else common.SD3_LORA_TARGETS)
+            n = sum(p.numel() for p in trained)
+            state = n * 4 * (4 + bool(d.get("ema")))              # param (fp32 master), grad, 2 moments, EMA
+            full = d.get("lora_rank", 0) == 0                      # the transformer is the trained state
+            frozen -= transformer if full else 0
+            ref = transformer if full and d.get("beta", 0) > 0 else 0
+            gpus = 8 if d.get("fsdp") else 1                       # FSDP2 shards the state over one node's 8
+            state, ref = state / gpus, ref / gpus
+            gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+            cfg = 2 if family == "sd3" and d.get("guidance_scale", 1) > 1 else 1
+            rows_grad = d["micro_batch"] * cfg * d.get("mc_pairs", 1)
+            config = pipe.transformer.config
+            tokens = (d["resolution"] // 16) ** 2 + (512 if family == "flux" else 77 + 128)
+            width = config.num_attention_heads * config.attention_head_dim
+            blocks = len(common.transformer_blocks(pipe.transformer))
+            activations = rows_grad * tokens * width * 2 * (blocks + 16)
+            rows.append([family, trainer, "8 (FSDP2)" if d.get("fsdp") else "any (DDP)", str(d["resolution"]),
+                         f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
+                         f"{d.get('lora_rank') or 'full'}, {d.get('dtype', 'bf16')}", gib(frozen),
+                         f"{gib(state)} ({n / 1e6:.0f}M)", gib(ref) if ref else "-", gib(reward),
+                         gib(frozen + state + ref + reward), gib(frozen - text + state + ref + reward),
+                         f"{gib(activations)} ({rows_grad} rows)", "unmeasured",
+                         "unmeasured", "computed"])
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                     ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the default: 2 iterations on a GPU, the second measured")
+    ap.add_argument("--full", action="store_true", help="4 iterations (3 measured), every trainer without "
+                                                          "checkpointing too")
+    ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated: flux, sd3")
+    ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
+    ap.add_argument("--out", default=None, help="output folder (default runs/gpu-check-<time>)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU mode even when a GPU is present")
+    ap.add_argument("--computed", action="store_true", help="print the computed memory table and stop")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--runs", help=argparse.SUPPRESS)
+    ap.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    families = [m.strip() for m in a.models.split(",")]
+    trainers = [t.strip() for t in a.trainers.split(",")]
+    if bad := [m for m in families if m not in FAMILIES] + [t for t in trainers if t not in TRAINERS]:
+        ap.error(f"unknown {bad}: --models takes {', '.join(FAMILIES)}; --trainers takes {', '.join(TRAINERS)}")
+    if a.computed:
+        print(computed(trainers))
+        return None
+    import torch
+    gpu = torch.cuda.is_available() and not a.cpu
+    if a.worker:
+        return worker(a.worker, json.loads(a.runs), gpu, a.iterations, Path(a.out))
+    a.iterations = 4 if a.full else 2 if gpu else 1
+    a.cpu = not gpu
+    out = Path(a.out or f"runs/gpu-check-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if (out / "results.jsonl").exists():
+        ap.error(f"--out {out} already holds a check; pass a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    tic = time.time()
+    results = []
+    for family in families:
+        results += run_family(family, plan(trainers, a.full, gpu), a, out)
+        print(f"{family}: {len(results)} runs done, {time.time() - tic:.0f} s", flush=True)
+    mode = "full depth, 512 px" if gpu else "CPU: reduced depth (random:1 / random:2), 128 px; times mean nothing"
+    measured = {4: "the last 3 measured", 2: "the second measured", 1: "measured"}[a.iterations]
+    text = f"Measured {versions()}; {mode}; {a.iterations} iteration(s) per run, {measured}.\n\n{table(results)}"
+    print("\n" + text)
+    (out / "gpu_check.md").write_text(text + "\n")
+    print(f"\n{out}/gpu_check.md, {out}/results.jsonl; {time.time() - tic:.0f} s in all")
+    return results
+
+
+if __name__ == "__main__":
+    main()

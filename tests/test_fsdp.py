@@ -1,0 +1,78 @@
+"""--fsdp: full fine-tuning sharded with FSDP2 on 2 gloo ranks trains what DDP trains on the same global batch,
+resumes exactly, writes a transformer that from_pretrained reads, and refuses what it cannot do."""
+import json
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+import common
+import flow_grpo
+from helpers import read_metrics, run, torchrun
+
+SIZES = ["--model", "tiny-flux", "--lora-rank", "0", "--lr", "1e-3", "--prompts-per-step", "4", "--eval-images", "8",
+         "--eval-every", "1", "--threads", "1"]
+RUNS = {"flow_grpo": ["--group-size", "4", "--micro-batch", "4", "--sample-steps", "4", "--eval-steps", "4",
+                      "--beta", "0.01"],   # a KL term: the frozen reference is sharded too
+        "g2rpo": []}                       # its tiny-flux defaults: groups of 2, 4 steps, strides {1, 2, 3}
+
+
+def without_timings(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("t") and k != "rank_param_diff"} for m in lines]
+
+
+def transformer_at(run_dir, iteration: int) -> dict:
+    folder = run_dir / "checkpoints" / f"iter_{iteration:06d}" / "transformer"
+    return FluxTransformer2DModel.from_pretrained(folder).state_dict()
+
+
+@pytest.mark.parametrize("trainer", list(RUNS))
+def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
+    """Same global batch, same seeds: the metrics agree to float rounding, and so do the weights (FSDP2
+    reduce-scatters the gradients where DDP all-reduces them: the same sums in another order, about 1e-7 apart
+    after AdamW)."""
+    argv = [*SIZES, *RUNS[trainer], "--iterations", "2"]
+    port = 29571 if trainer == "flow_grpo" else 29575
+    torchrun(f"{trainer}.py", [*argv, "--output-dir", str(tmp_path / "ddp")], port=port)
+    stdout = torchrun(f"{trainer}.py", [*argv, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], port=port + 2)
+    assert "ranks 2" in stdout
+    ddp, fsdp = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "fsdp")
+    assert ddp[-1]["rank_param_diff"] == 0.0 and "rank_param_diff" not in fsdp[-1]  # shards differ by design
+    a, b = without_timings(ddp), without_timings(fsdp)
+    assert [sorted(m) for m in a] == [sorted(m) for m in b]
+    for ma, mb in zip(a, b):
+        for key in ma:
+            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), (key, ma[key], mb[key])
+    wa, wb = transformer_at(tmp_path / "ddp", 2), transformer_at(tmp_path / "fsdp", 2)
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    start = common.build_tiny_flux().transformer.state_dict()
+    assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3       # and training moved them
+    shards = sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints" / "iter_000002" / "shards").iterdir())
+    assert shards == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_fsdp_resume_equals_a_straight_run(tmp_path):
+    argv = [*SIZES, *RUNS["flow_grpo"], "--fsdp", "--ema"]   # the EMA is sharded and resumed too
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(straight)], port=29581)
+    torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(split)], port=29583)
+    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(split), "--resume", str(split)],
+             port=29585)
+    assert without_timings(read_metrics(straight)) == without_timings(read_metrics(split))
+    a, b = transformer_at(straight, 3), transformer_at(split, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_refuses_lora_a_single_process_and_a_mismatched_checkpoint(tmp_path):
+    with pytest.raises(common.UsageError, match="--fsdp shards full fine-tuning over torchrun processes"):
+        run(flow_grpo, ["--model", "tiny-flux", "--fsdp", "--output-dir", str(tmp_path / "a")])  # LoRA rank 4
+    with pytest.raises(common.UsageError, match="launch 2\\+ processes"):
+        run(flow_grpo, ["--model", "tiny-flux", "--lora-rank", "0", "--fsdp", "--output-dir", str(tmp_path / "b")])
+    ckpt = tmp_path / "c" / "checkpoints" / "iter_000001"
+    ckpt.mkdir(parents=True)
+    meta = {"trainer": "flow_grpo", "model": "tiny-flux", "lora_rank": 0, "lora_alpha": 0.0, "ema": False}
+    (ckpt / "checkpoint.json").write_text(json.dumps({**meta, "fsdp": True, "iteration": 1}))
+    with pytest.raises(common.UsageError, match="was trained with --fsdp: pass --fsdp to resume it"):
+        common.check_checkpoint(ckpt, {**meta, "fsdp": False})
+    assert common.check_checkpoint(ckpt, {**meta, "fsdp": True}) == 1

@@ -1,0 +1,240 @@
+"""The full-scale path without downloads: the published architectures (parameter counts on `meta`, LoRA targets),
+one training iteration at real width and reduced depth per model (the GPU check's CPU mode), and the fixes that
+make full-scale runs match the pipelines and the official code (timestep precision, prompt length, fp16 with
+loss scaling, EMA warm-up, population std)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import flow_grpo
+import gpu_check
+from helpers import ROOT, run
+
+CPU = torch.device("cpu")
+
+
+def n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---- the published architectures ----
+@pytest.mark.parametrize("family,published", [("flux", 11.9e9), ("sd3", 2.24e9)])
+def test_full_depth_transformers_have_the_published_parameter_counts(family, published):
+    pipe = common.random_pipeline(family, "random", device="meta")
+    assert pipe.transformer.device.type == "meta"
+    assert n_params(pipe.transformer) == pytest.approx(published, rel=0.01)  # FLUX.1-dev 11.9B, SD3.5-M 2.24B
+    assert n_params(pipe.text_encoder) == pytest.approx(123e6, rel=0.01)      # CLIP ViT-L/14's text tower
+    t5 = pipe.text_encoder_2 if family == "flux" else pipe.text_encoder_3
+    assert n_params(t5) == pytest.approx(4.76e9, rel=0.01)                     # T5 v1.1 XXL's encoder
+    if family == "flux":
+        assert (len(pipe.transformer.transformer_blocks), len(pipe.transformer.single_transformer_blocks)) == (19, 38)
+    else:
+        duals = [b.attn2 is not None for b in pipe.transformer.transformer_blocks]
+        assert duals == [True] * 13 + [False] * 11                           # SD3.5-M: dual attention in 0..12
+
+
+def lora_layers(transformer) -> set[str]:
+    return {name for name, m in transformer.named_modules() if hasattr(m, "lora_A")}
+
+
+def test_lora_targets_are_the_attention_and_mlp_projections_of_every_block():
+    """FLUX: every projection of the double blocks' two streams (attention and MLP) and the single blocks'
+    q/k/v; SD3: the joint attention's projections (the last block has no text output), not the dual attention.
+    The expected names are spelled out from the architectures, not from the target lists."""
+    flux = common.random_pipeline("flux", "random", device="meta").transformer
+    params = common.add_lora(flux, 64, 128, common.FLUX_LORA_TARGETS)
+    attn = ["attn.to_q", "attn.to_k", "attn.to_v"]
+    joint = attn + ["attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+    mlp = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+    want = {f"transformer_blocks.{i}.{n}" for i in range(19) for n in joint + mlp}
+    want |= {f"single_transformer_blocks.{i}.{n}" for i in range(38) for n in attn}
+    assert lora_layers(flux) == want
+    assert sum(p.numel() for p in params) == pytest.approx(179e6, rel=0.01)  # rank 64
+    assert all(p.requires_grad for p in params) and not any(p.requires_grad for n, p in flux.named_parameters()
+                                                              if "lora" not in n)
+
+    sd3 = common.random_pipeline("sd3", "random", device="meta").transformer
+    common.add_lora(sd3, 32, 64, common.SD3_LORA_TARGETS)
+    want = {f"transformer_blocks.{i}.{n}" for i in range(24) for n in joint if not (i == 23 and n == "attn.to_add_out")}
+    assert lora_layers(sd3) == want
+
+
+def test_reduced_depth_keeps_every_width():
+    full, small = common.PUBLISHED["sd3"], common.reduced(common.PUBLISHED["sd3"], 2)
+    assert small["transformer"] == {**full["transformer"], "num_layers": 2, "dual_attention_layers": (0, 1)}
+    assert small["text_encoder_3"] == {**full["text_encoder_3"], "num_layers": 1}
+    assert small["vae"] == full["vae"]
+    with pytest.raises(common.UsageError, match="write random .full depth. or random:N"):
+        common.random_depth("random:0")
+    assert common.random_depth("random:2") == 2 and common.random_depth("random") is None
+    assert common.random_depth("/some/folder") is None
+
+
+def test_a_bad_random_model_path_stops_before_any_model_loads(tmp_path):
+    with pytest.raises(common.UsageError, match="--model-path random:x: write random"):
+        run(flow_grpo, ["--model", "sd3", "--model-path", "random:x", "--output-dir", str(tmp_path / "r")])
+    assert not (tmp_path / "r").exists()
+
+
+# ---- one iteration at real width: the GPU check's CPU mode ----
+@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"), ("sd3", "v_grpo")])
+def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_path):
+    """The one-command GPU check on CPU: reduced depth, real widths, one iteration, a table of what the run logged
+    and the bare transformer passes timed on the same module."""
+    out = tmp_path / "check"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--quick", "--models", family,
+                           "--trainers", trainer, "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = [json.loads(s) for s in (out / "results.jsonl").read_text().splitlines()]
+    assert r["status"] == "ok", r
+    assert f"| {family} | {trainer} | on | 128 |" in proc.stdout
+    # the counts are the run's: one prompt, a group of 2, 4 sampling steps
+    if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
+        assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (8, 6)
+    else:                        # V-GRPO on SD3 (no CFG at its guidance 1): 2 x 4 sampling rows + 2 x 4 old
+        assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (16, 8)  # surrogate rows; 2 x 4 (t, eps) pairs with grad
+    assert r["s_per_it"] == pytest.approx(r["t_rollout"] + r["t_reward"] + r["t_update"])
+    assert r["images_per_s"] == pytest.approx(2 / r["s_per_it"])
+    assert 0 < r["bare_fwd_s_per_row"] < r["bare_fwd_bwd_s_per_row"]
+    bare = r["nfe_fwd"] * r["bare_fwd_s_per_row"] + r["nfe_fwd_bwd"] * r["bare_fwd_bwd_s_per_row"]
+    assert r["overhead"] == pytest.approx((r["t_rollout"] + r["t_update"]) / bare)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
+    """As a new user would: the reduced-depth real-width pipeline saved with save_pretrained and read back by
+    --model-path (from_pretrained), one iteration of every trainer at 128 px."""
+    pipe = common.random_pipeline(family, "random:1" if family == "flux" else "random:2")
+    pipe.save_pretrained(tmp_path / "pipe")
+    del pipe
+    for trainer in gpu_check.TRAINERS:
+        module = __import__(trainer)
+        argv = gpu_check.trainer_argv(trainer, family, ckpt=True, gpu=False, iterations=1, out=tmp_path / trainer)
+        argv[argv.index("--model-path") + 1] = str(tmp_path / "pipe")
+        argv[argv.index("--reward") + 1] = "jpeg"
+        metrics = run(module, argv)
+        assert metrics["iteration"] == 1 and math.isfinite(metrics["time_s"])
+        lines = [json.loads(s) for s in (tmp_path / trainer / "metrics.jsonl").read_text().splitlines()]
+        assert lines[0]["nfe_fwd_bwd"] > 0 and math.isfinite(lines[0]["loss"])
+
+
+# ---- full-scale fixes ----
+def test_sd3_passes_the_timestep_to_the_transformer_in_float32():
+    """In bf16 the transformer would be asked about t = 912 while the step math uses 913.35."""
+    adapter = common.SD3Adapter(common.build_tiny_sd3(), CPU, torch.bfloat16, 32, 4.5)
+    seen = []
+    adapter.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    adapter.velocity(adapter.transformer, adapter.noise(1), torch.tensor(0.91335), adapter.encode(["a cat"]))
+    (t,) = seen
+    assert t.dtype == torch.float32
+    assert torch.equal(t, torch.tensor([0.91335, 0.91335]) * 1000)  # CFG: both branches
+    assert t[0].to(torch.bfloat16).float().item() == 912.0            # what bf16 would have passed
+
+
+def test_sd3_prompts_default_to_128_t5_tokens():
+    rt = common.Runtime(0, 1, 0, CPU, torch.float32)
+    adapter = common.load_model("tiny-sd3", rt, resolution=32, guidance_scale=4.5)
+    assert adapter.encode(["a cat"])["prompt_embeds"].shape[1] == 77 + 128   # CLIP's 77, then T5's 128
+    adapter = common.load_model("tiny-sd3", rt, resolution=32, guidance_scale=4.5, max_sequence_length=64)
+    assert adapter.encode(["a cat"])["prompt_embeds"].shape[1] == 77 + 64
+
+
+def test_fp16_computes_over_float32_transformer_weights(tmp_path):
+    """--dtype fp16: text encoders in fp16, the trained transformer in float32 (autocast fp16 on GPU), the VAE in
+    float32; the same from a saved pipeline (from_pretrained reads each in its dtype)."""
+    rt = common.Runtime(0, 1, 0, CPU, torch.float16)
+    common.build_tiny_sd3().save_pretrained(tmp_path / "pipe")
+    for path in (None, str(tmp_path / "pipe")):
+        adapter = common.load_model("tiny-sd3" if path is None else "sd3", rt, path, resolution=32, guidance_scale=4.5)
+        pipe = adapter.pipe
+        assert {p.dtype for p in pipe.transformer.parameters()} == {torch.float32}
+        assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}
+        for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            assert {p.dtype for p in enc.parameters()} == {torch.float16}
+    with pytest.raises(common.UsageError, match="--dtype fp8: choose one of bf16, fp16"):
+        common.setup_runtime(0, 1, "fp8")
+
+
+def test_loss_scaling_steps_like_plain_fp32_and_rides_out_overflows():
+    x = torch.linspace(-1, 1, 5)
+
+    def one_step(loss_scaling, scale_loss=1.0, w0=None):
+        w = torch.nn.Parameter(torch.ones(5) if w0 is None else w0.clone())
+        opt = torch.optim.SGD([w], lr=0.1)
+        guard = common.StepGuard(3, CPU, loss_scaling=loss_scaling)
+        guard.backward((w * x).sum() * 1e-3 * scale_loss)
+        return w, guard, guard.step(opt, [w], 1e9)
+
+    w_plain, _, _ = one_step(False)
+    w_scaled, guard, (stepped, _) = one_step(True)
+    assert stepped and guard.scaler.get_scale() == 65536.0
+    assert torch.equal(w_plain, w_scaled)                     # the scale is a power of two: unscaling is exact
+
+    # fp16 activations: the loss scaled by 65536 overflows fp16 on the way back (65504 is its largest number), so
+    # the first step is skipped and the scale halves, without counting as a bad step; the second steps exactly
+    w = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.SGD([w], lr=0.1)
+    guard = common.StepGuard(1, CPU, loss_scaling=True)      # a single counted bad step would stop the run
+    results = []
+    for _ in range(2):
+        guard.backward((w.half() * x.half()).sum().float())
+        results.append(guard.step(opt, [w], 1e9)[0])
+    assert results == [False, True] and guard.scaler.get_scale() == 32768.0
+    assert guard.skipped == 1 and guard.in_a_row == 0
+    torch.testing.assert_close(w.detach(), 1 - 0.1 * x, rtol=0, atol=1e-7)
+
+    # a non-finite loss is a bad step, scaled or not: the run stops after max_bad of them
+    guard = common.StepGuard(3, CPU, loss_scaling=True)
+    with pytest.raises(common.TrainingStopped, match="3 optimizer steps in a row"):
+        for _ in range(3):
+            guard.backward((w * x).sum() * float("nan"))
+            guard.step(opt, [w], 1.0)
+
+
+def test_ema_warm_up_counts_optimizer_steps():
+    """The official schedule: after optimizer step n, if (n + 1) % 8 == 0, decay = min((1 + n) / (10 + n), 0.9)."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    ema = common.EMA([w], max_decay=0.9, every=8)
+    shadow = 0.0
+    for n in range(1, 41):
+        with torch.no_grad():
+            w.fill_(float(n))
+        ema.step(n)
+        if (n + 1) % 8 == 0:
+            decay = min((1 + n) / (10 + n), 0.9)
+            shadow = decay * shadow + (1 - decay) * n
+    assert ema.num_updates == 5                                # n = 7, 15, 23, 31, 39
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), shadow), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("global_std", [True, False])
+def test_flow_grpo_advantages_use_the_population_std(global_std):
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    r = rewards.numpy().astype(np.float64).reshape(3, 4)
+    std = np.std(r) if global_std else np.std(r, axis=1, keepdims=True)      # numpy's default: population
+    want = ((r - r.mean(axis=1, keepdims=True)) / (std + 1e-4)).reshape(-1)
+    got = flow_grpo.group_advantages(rewards, 4, global_std)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
+
+
+def test_computed_memory_table_adds_up_the_published_sizes():
+    """gpu_check --computed for flow_grpo on FLUX: bf16 transformer, T5-XXL and CLIP-L, float32 VAE; a rank-64 LoRA
+    held in float32 with its gradient, two AdamW moments and the EMA; PickScore's CLIP-H in float32."""
+    rows = [line.split(" | ") for line in gpu_check.computed(["flow_grpo"]).splitlines()[2:]]
+    flux = next(r for r in rows if r[0] == "| flux")
+    gib = 2**30
+    frozen = (11.90e9 + 4.762e9 + 0.1231e9) * 2 + 83.8e6 * 4
+    assert float(flux[6].split()[0]) == pytest.approx(frozen / gib, abs=0.06)
+    assert float(flux[7].split()[0]) == pytest.approx(179.0e6 * 4 * 5 / gib, abs=0.06)
+    assert float(flux[9].split()[0]) == pytest.approx(986e6 * 4 / gib, abs=0.06)  # CLIP ViT-H/14: 986M
+    text = (4.762e9 + 0.1231e9) * 2                                              # --offload-encoders
+    assert float(flux[10].split()[0]) - float(flux[11].split()[0]) == pytest.approx(text / gib, abs=0.11)
