@@ -918,14 +918,26 @@ REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1."""
+    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
+    A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
     out = []
     for part in [p.strip() for p in (spec or "").split(",")]:
-        name, _, w = part.partition(":")
-        name = name.strip().lower()
-        if name not in REWARDS or name in dict(out):
-            raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
-                             f"known rewards: {', '.join(REWARDS)}")
+        if part.lower().startswith("remote:"):
+            url, w = part[len("remote:"):], ""
+            head, _, last = url.rpartition("/")
+            if ":" in last:
+                last, _, w = last.partition(":")
+                url = f"{head}/{last}"
+            name = f"remote:{url}"
+            if not (url.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in dict(out):
+                raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
+                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
+        else:
+            name, _, w = part.partition(":")
+            name = name.strip().lower()
+            if name not in REWARDS or name in dict(out):
+                raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
+                                 f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
         try:
             weight = float(w) if w else 1.0
         except ValueError:
@@ -936,17 +948,127 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+class RemoteReward:
+    """A scorer in another process or machine (one that needs its own environment: GenEval's detector,
+    ImageReward on old transformers, a VLM judge), reached over HTTP. Each call POSTs one JSON batch,
+    {"prompts": [...], "images": [...]} with every image as base64 of a .npy uint8 array (H, W, 3), and
+    reads {"scores": [one number per image]} back. `python common.py serve-reward` is the reference server.
+
+    A request that fails (no connection, timeout, HTTP error) is retried `retries` times with doubling waits,
+    then the run stops with one line naming the URL. A reply with the wrong count or a score that is not a
+    finite number stops it at once: never a silent zero in the advantages."""
+
+    def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
+        self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
+
+    def __call__(self, images, prompts):
+        import base64
+        import urllib.error
+        import urllib.request
+        pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        encoded = []
+        for im in pixels:
+            buf = io.BytesIO()
+            np.save(buf, im)
+            encoded.append(base64.b64encode(buf.getvalue()).decode())
+        body = json.dumps({"prompts": list(prompts), "images": encoded}).encode()
+        for attempt in range(self.retries + 1):
+            try:
+                request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    text = reply.read().decode()
+                break
+            except urllib.error.HTTPError as e:  # the server answered with an error: say what it said
+                detail = e.read().decode(errors="replace")[:300]
+                raise TrainingStopped(f"reward server {self.url} answered HTTP {e.code}: {detail}") from None
+            except (OSError, TimeoutError) as e:
+                if attempt == self.retries:
+                    raise TrainingStopped(f"reward server {self.url} did not answer ({type(e).__name__}: {e}) after "
+                                          f"{self.retries + 1} tries with a {self.timeout:g} s timeout; start it "
+                                          f"(python common.py serve-reward) or fix the URL in --reward") from None
+                time.sleep(self.backoff * 2 ** attempt)
+        try:
+            scores = json.loads(text)["scores"]
+            scores = [float(x) for x in scores if not isinstance(x, bool)] if isinstance(scores, list) else None
+        except (ValueError, TypeError, KeyError):
+            scores = None
+        if scores is None or len(scores) != len(pixels) or not all(map(math.isfinite, scores)):
+            raise TrainingStopped(f"reward server {self.url} sent {text[:200]!r} for {len(pixels)} images: expected "
+                                  f'{{"scores": [{len(pixels)} finite numbers]}}')
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+def serve_reward(argv=None):
+    """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
+    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
+    ap.add_argument("--reward", required=True, help=f"one of {', '.join(REWARDS)}")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args(argv)
+    if a.reward not in REWARDS:
+        ap.error(f"unknown --reward {a.reward!r}; choose one of {', '.join(REWARDS)}")
+    scorer, lock = REWARDS[a.reward](device=a.device), threading.Lock()  # one batch at a time on the model
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
+                return self._send(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
+            try:
+                batch = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                images = [np.load(io.BytesIO(base64.b64decode(x))) for x in batch["images"]]
+                images = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
+                with lock, torch.no_grad():
+                    scores = scorer(images, batch["prompts"]).float().tolist()
+            except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
+                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            self._send(200, {"scores": scores})
+
+        def _send(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((a.host, a.port), Handler)
+    print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
+    server.serve_forever()
+
+
 class WeightedReward:
-    """A weighted sum of scorers. __call__ returns (total (N,), {name: (N,)})."""
+    """A weighted sum of scorers. __call__ returns (total (N,), {name: (N,)}).
+
+    Under torchrun every rank scores the same number of batches, so each call also tells every rank whether a
+    scorer failed on any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
 
     def __init__(self, spec: str, device="cpu"):
-        self.terms = [(name, w, REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
+        self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
+                       else REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
         self.calls = 0  # images scored so far
 
     @torch.no_grad()
     def __call__(self, images, prompts):
         self.calls += len(images)
-        parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
+        error = None
+        try:
+            parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
+            error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
+        if error:
+            raise TrainingStopped(f"the reward failed {error}")
         total = sum(w * parts[name] for name, w, _ in self.terms)
         return total, parts
 
@@ -1457,8 +1579,10 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     images = []
     for i in range(0, -(-num_images // runtime.world_size), batch_size):  # as many batches on every rank (FSDP)
         chunk = mine[i: i + batch_size]
-        if not chunk:  # a rank with one image fewer: a forward pass that counts nothing, so every rank calls
-            sample_ode(adapter, net, adapter.encode([records[0]["prompt"]]), adapter.noise(1), sigmas)
+        if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
+            prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
+            x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
+            reward_fn(adapter.decode(x), prompt)
             continue
         prompts = [records[j % len(records)]["prompt"] for j in chunk]
         x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
@@ -1980,5 +2104,7 @@ def _text_encoder(tok, config: dict, projection: bool):
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "pretrain-toy":
         pretrain_toy(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "serve-reward":
+        serve_reward(sys.argv[2:])
     else:
-        print("usage: python common.py pretrain-toy [--help]")
+        print("usage: python common.py pretrain-toy | serve-reward [--help]")

@@ -96,7 +96,8 @@ class Args:
     model: str = field("toy", f"model: {', '.join(common.MODELS)}")
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
                                          "published architecture with random weights, random:N with N blocks")
-    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS))
+    reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
+                               "scorer served by common.py serve-reward: remote:http://HOST:PORT/NAME[:weight]")
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
     seed: int = field(0, "random seed (each rank adds its rank)")

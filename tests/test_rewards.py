@@ -1,0 +1,159 @@
+"""Remote rewards: the reference server (`python common.py serve-reward`) started as a real process on loopback
+gives the in-process scores; a dead server, and a server whose answer is wrong, stop the run with one clear
+line instead of a zero reward."""
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import common
+import flow_grpo
+from helpers import ROOT, read_metrics, run
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`python common.py serve-reward --reward jpeg --port 0` in its own process; yields its URL."""
+    cmd = [sys.executable, str(ROOT / "common.py"), "serve-reward", "--reward", "jpeg", "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = proc.stdout.readline()
+    assert line.startswith("serving jpeg at http://127.0.0.1:"), line + proc.stdout.read()
+    yield line.split()[-1]
+    proc.kill()
+    proc.wait()
+
+
+def images(n=5, seed=0) -> torch.Tensor:
+    """8-bit images as floats: what travels over the wire, so in-process and remote scores can be equal."""
+    x = torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return (x * 255).round() / 255
+
+
+def test_the_reference_server_gives_the_in_process_scores(server):
+    prompts = [f"prompt {i}" for i in range(5)]
+    remote = common.RemoteReward(server)(images(), prompts)
+    torch.testing.assert_close(remote, common.JpegCompressibility()(images(), prompts), rtol=0, atol=1e-6)
+    # through --reward: a weight after the name, and a sum with an in-process scorer
+    assert common.parse_reward_spec(f"remote:{server}:0.5,jpeg") == [(f"remote:{server}", 0.5), ("jpeg", 1.0)]
+    total, parts = common.build_reward(f"remote:{server}:0.5,jpeg")(images(), prompts)
+    torch.testing.assert_close(total, 1.5 * parts["jpeg"], rtol=1e-6, atol=1e-5)
+    with pytest.raises(common.TrainingStopped, match="answered HTTP 404: .*this server scores 'jpeg'"):
+        common.RemoteReward(server.replace("/jpeg", "/pickscore"))(images(), prompts)
+
+
+def test_a_trainer_trains_with_a_remote_reward(server, tmp_path):
+    run(flow_grpo, ["--model", "tiny-flux", "--reward", f"remote:{server}", "--eval-every", "1",
+                    "--output-dir", str(tmp_path / "r")])
+    lines = read_metrics(tmp_path / "r")
+    assert all(math.isfinite(m["reward_mean"]) and m["reward_calls"] == 4 for m in lines[:-1])
+    assert math.isfinite(lines[-1]["eval_reward"])
+
+
+def test_a_dead_server_stops_the_run_within_the_retries():
+    with socket_port() as port:
+        pass                                               # a port nobody listens on
+    reward = common.RemoteReward(f"http://127.0.0.1:{port}/jpeg", timeout=1.0, retries=2, backoff=0.1)
+    tic = time.time()
+    with pytest.raises(common.TrainingStopped, match=f"reward server http://127.0.0.1:{port}/jpeg did not answer"):
+        reward(images(2), ["a", "b"])
+    assert time.time() - tic < 5
+
+
+@pytest.mark.parametrize("reply,what", [
+    ({"scores": [1.0]}, "wrong count"),
+    ({"scores": [1.0, float("nan")]}, "NaN"),
+    ({"scores": [1.0, "high"]}, "not a number"),
+    ({"result": [1.0, 2.0]}, "no scores"),
+    ("<html>busy</html>", "not JSON"),
+])
+def test_a_wrong_answer_is_an_error_never_a_zero(reply, what):
+    with fake_server(reply) as url:
+        with pytest.raises(common.TrainingStopped, match=f"reward server {url} sent .* expected .*2 finite numbers"):
+            common.RemoteReward(url, timeout=5, retries=0)(images(2), ["a", "b"])
+
+
+def test_bad_remote_specs_name_the_syntax():
+    for spec in ["remote:127.0.0.1:8000/jpeg", "remote:http://127.0.0.1:8000/", "remote:http://h:1/x:heavy"]:
+        with pytest.raises(common.UsageError, match="remote:http://HOST:PORT/NAME|bad weight"):
+            common.parse_reward_spec(spec)
+
+
+# ---- helpers ----
+class socket_port:
+    """A free TCP port on loopback (bound, then released on exit)."""
+
+    def __enter__(self):
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+class fake_server:
+    """An HTTP server in a thread that answers every POST with `reply` (JSON unless it is a string)."""
+
+    def __init__(self, reply):
+        body = (reply if isinstance(reply, str) else json.dumps(reply)).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}/judge"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+def failing_reward(rank: str):
+    """The toy reward, raising on its third call (iteration 1's first batch) in the process of the given rank."""
+    class Failing(common.ToyReward):
+        calls = 0
+
+        def __call__(self, images, prompts):
+            Failing.calls += 1
+            if Failing.calls == 3 and os.environ.get("RANK") == rank:
+                raise RuntimeError("the scorer ran out of memory")
+            return super().__call__(images, prompts)
+    return Failing
+
+
+def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
+    script = tmp_path / "fail_on_rank1.py"
+    script.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+                      "import common, flow_grpo\nfrom test_rewards import failing_reward\n"
+                      "common.REWARDS['toy'] = failing_reward('1')\n"
+                      "common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29591", str(script),
+           "--prompts-per-step", "4", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
+           "--iterations", "3", "--eval-every", "0", "--threads", "1", "--output-dir", str(tmp_path / "r")]
+    tic = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0 and time.time() - tic < 200
+    text = out.stdout + out.stderr
+    assert text.count("the reward failed on rank 1: RuntimeError: the scorer ran out of memory") == 1  # rank 0 says it
+    failures = text[text.index("Failures:"):]                       # torchrun's summary: both ranks exited with 1
+    assert "[1]:" in failures and "[0]:" in failures and "exitcode: 1" in text
+    assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0]  # iteration 0 logged; 1 stopped both
