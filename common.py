@@ -9,7 +9,7 @@ Sections, in reading order:
   1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
   2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults
   3. Models: the adapter interface (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
-  4. Rewards: name -> scorer, weighted sums
+  4. Rewards: name -> scorer, weighted sums, remote scorers and their server (`python common.py serve-reward`)
   5. Prompts
   6. Logging and checkpoints
   7. Evaluation

@@ -12,7 +12,7 @@ iterations (the second measured); then flow_grpo without gradient checkpointing 
 iterations, the last 3 measured). Each model runs in its own worker process; a run that breaks the CUDA context
 (e.g. an illegal memory access) is recorded with its error, and the same trainer is retried without gradient
 checkpointing and with the flash attention kernel off, to show which setting avoids it.
-On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 128 px,
+On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 64 px,
 32 T5 tokens, micro-batch 1, 4 sampling steps and one iteration, with checkpointing only: this keeps the path
 working (a test runs it); its times mean nothing.
 
@@ -73,7 +73,7 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, iterations: i
     if gpu:
         argv += ["--resolution", 512]
     else:
-        argv += ["--resolution", 128, "--max-sequence-length", 32, "--threads", 2]
+        argv += ["--resolution", 64, "--max-sequence-length", 32, "--threads", 2]
         if "--sample-steps" not in argv:
             argv += ["--sample-steps", 4]
         argv += ["--checkpoints", "2,3"] if trainer == "pro_grpo" else []
@@ -365,7 +365,7 @@ def main(argv=None):
     for family in families:
         results += run_family(family, plan(trainers, a.full, gpu), a, out)
         print(f"{family}: {len(results)} runs done, {time.time() - tic:.0f} s", flush=True)
-    mode = "full depth, 512 px" if gpu else "CPU: reduced depth (random:1 / random:2), 128 px; times mean nothing"
+    mode = "full depth, 512 px" if gpu else "CPU: reduced depth (random:1 / random:2), 64 px; times mean nothing"
     measured = {4: "the last 3 measured", 2: "the second measured", 1: "measured"}[a.iterations]
     text = f"Measured {versions()}; {mode}; {a.iterations} iteration(s) per run, {measured}.\n\n{table(results)}"
     print("\n" + text)

@@ -95,7 +95,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (r,) = [json.loads(s) for s in (out / "results.jsonl").read_text().splitlines()]
     assert r["status"] == "ok", r
-    assert f"| {family} | {trainer} | on | 128 |" in proc.stdout
+    assert f"| {family} | {trainer} | on | 64 |" in proc.stdout
     # the counts are the run's: one prompt, a group of 2, 4 sampling steps
     if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (8, 6)
@@ -112,7 +112,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
     """As a new user would: the reduced-depth real-width pipeline saved with save_pretrained and read back by
-    --model-path (from_pretrained), one iteration of every trainer at 128 px."""
+    --model-path (from_pretrained), one iteration of every trainer at 64 px."""
     pipe = common.random_pipeline(family, "random:1" if family == "flux" else "random:2")
     pipe.save_pretrained(tmp_path / "pipe")
     del pipe
