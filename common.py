@@ -9,10 +9,11 @@ Sections, in reading order:
   1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
   2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults
   3. Models: the adapter interface (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
-  4. Rewards: name -> scorer, weighted sums, remote scorers and their server (`python common.py serve-reward`)
+  4. Rewards: name -> scorer (toy, jpeg, PickScore, CLIP score, HPS v2.1, aesthetic, OCR, ImageReward), weighted
+     sums and how they make advantages, remote scorers and their server (`python common.py serve-reward`)
   5. Prompts
-  6. Logging and checkpoints
-  7. Evaluation
+  6. Logging and checkpoints, labelled image grids
+  7. Evaluation, and scoring a trained model from the command line (`python common.py evaluate`)
   Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
   Appendix B. Offline pipelines: the published architectures with random weights, full or reduced depth,
               and tiny ones (tiny-flux, tiny-sd3) with their smoke-run sizes
@@ -319,7 +320,7 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
                                 default=default, help=help_)
         else:
             parser.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float}.get(typ, str),
-                                default=default, help=help_)
+                                default=default, help=help_, choices=f.metadata.get("choices"))
     return args_cls(**vars(parser.parse_args(argv)))
 
 
@@ -811,7 +812,9 @@ class StepGuard:
 
 
 # =============================================================================================
-# 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts) -> (N,) float32
+# 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32.
+#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None; only scorers that
+#    need it read it.
 # =============================================================================================
 class ToyReward:
     """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
@@ -819,7 +822,7 @@ class ToyReward:
     def __init__(self, device="cpu"):
         self.device = device
 
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, metadata=None):
         return toy_reward(images, prompts).to(self.device)
 
 
@@ -829,7 +832,7 @@ class JpegCompressibility:
     def __init__(self, device="cpu"):
         self.device = device
 
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, metadata=None):
         from PIL import Image
         arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
         sizes = []
@@ -869,12 +872,16 @@ class _CLIPSimilarity:
     divisor = 1.0
 
     def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
-        from transformers import CLIPModel, CLIPProcessor
+        from transformers import CLIPProcessor
         processor = CLIPProcessor.from_pretrained(processor_id or model_id)
         self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
-        self.model = CLIPModel.from_pretrained(model_id, dtype=dtype).eval().requires_grad_(False).to(device)
+        self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
         self.device, self.dtype = torch.device(device), dtype
         self.max_length = self.model.config.text_config.max_position_embeddings
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        from transformers import CLIPModel
+        return CLIPModel.from_pretrained(model_id, dtype=dtype)
 
     @staticmethod
     def _embedding(out) -> torch.Tensor:
@@ -883,14 +890,18 @@ class _CLIPSimilarity:
         return out if isinstance(out, torch.Tensor) else out.pooler_output
 
     @torch.no_grad()
-    def __call__(self, images, prompts):
+    def cosine(self, images, prompts) -> torch.Tensor:
+        """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
         pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
         text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                               return_tensors="pt").to(self.device)
         img = self._embedding(self.model.get_image_features(pixel_values=pixels)).float()
         txt = self._embedding(self.model.get_text_features(**text)).float()
-        cos = F.cosine_similarity(img, txt, dim=-1)
-        return (self.model.logit_scale.float().exp() * cos / self.divisor).float()
+        return F.cosine_similarity(img, txt, dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        return (self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor).float()
 
 
 class PickScore(_CLIPSimilarity):
@@ -914,7 +925,225 @@ class CLIPScore(_CLIPSimilarity):
         super().__init__(model_id, None, device, dtype)
 
 
-REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore}
+# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
+# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
+_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+                 "visual.class_embedding": "vision_model.embeddings.class_embedding",
+                 "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+                 "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
+                 "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
+                 "logit_scale": "logit_scale"}
+_OPENCLIP_TOP |= {f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
+                                                       ("visual.ln_post", "vision_model.post_layernorm"),
+                                                       ("ln_final", "text_model.final_layer_norm")]
+                  for p in ("weight", "bias")}
+_OPENCLIP_BLOCK = {f"{a}.{p}": f"{b}.{p}" for a, b in [("ln_1", "layer_norm1"), ("attn.out_proj", "self_attn.out_proj"),
+                                                        ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
+                                                        ("mlp.c_proj", "mlp.fc2")] for p in ("weight", "bias")}
+_OPENCLIP_BLOCK |= {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_proj_bias": "self_attn.{}_proj.bias"}
+
+
+def openclip_to_clip(state_dict: dict) -> dict:
+    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
+    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped.
+    A key that maps to no weight, or a missing one (every block up to the highest index must be complete), raises
+    a ValueError naming it: no weight is dropped or left at random."""
+    out, names, layers = {}, set(), {"visual.": set(), "": set()}
+    for key, value in state_dict.items():
+        name = key.removeprefix("module.")
+        tower, _, rest = name.partition("transformer.resblocks.")
+        index, _, inner = rest.partition(".")
+        if name in names:
+            raise ValueError(f"open_clip state dict: key {key!r} appears twice (with and without `module.`)")
+        names.add(name)
+        if name in _OPENCLIP_TOP:
+            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
+        elif tower in layers and index.isdigit() and inner in _OPENCLIP_BLOCK:
+            layers[tower].add(int(index))
+            target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
+            for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
+                out[target.format(part)] = chunk
+        else:
+            raise ValueError(f"open_clip state dict: unexpected key {key!r}, which no CLIPModel weight matches")
+    expected = set(_OPENCLIP_TOP) | {f"{tower}transformer.resblocks.{i}.{inner}" for tower, found in layers.items()
+                                     for i in range(max(found, default=-1) + 1) for inner in _OPENCLIP_BLOCK}
+    if missing := sorted(expected - names):
+        raise ValueError(f"open_clip state dict: missing key {missing[0]!r} ({len(missing)} missing in all)")
+    return out
+
+
+class HPSv2(_CLIPSimilarity):
+    """HPS v2.1 (Wu et al.; an OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores
+    it, no logit scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel
+    (openclip_to_clip) rather than run by open_clip_torch, which needs torchvision, whose wheels on the package index
+    are CUDA builds that do not import beside torch's CPU build: so it needs only the required packages and gets
+    PickScore's preprocessing. The config, tokenizer and image processor are those of CLIP-H (processor_id)."""
+
+    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
+                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+        self.filename = filename
+        super().__init__(model_id, processor_id, device, dtype)
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        from transformers import CLIPConfig, CLIPModel
+        path = hub_file(model_id, self.filename)
+        # the file is {"state_dict": open_clip tensors} (what hpsv2 loads): weights_only runs no pickled code
+        weights = openclip_to_clip(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+        with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
+            model = CLIPModel(CLIPConfig.from_pretrained(processor_id))
+        expected = set(model.state_dict())
+        if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
+            raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
+                             f"architecture of {processor_id} ({len(wrong)} keys differ)")
+        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+        for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
+            emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
+        if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+            raise RuntimeError(f"HPSv2: {meta[0]!r} was not loaded (this transformers' CLIPModel has a new tensor)")
+        return model
+
+    def __call__(self, images, prompts, metadata=None):
+        return self.cosine(images, prompts)  # hpsv2's score: no logit scale
+
+
+class Aesthetic:
+    """The LAION aesthetic predictor v2 (improved-aesthetic-predictor, `sac+logos+ava1-l14-linearMSE.pth`): CLIP
+    ViT-L/14's image embedding, L2-normalised, into its linear MLP head (no activations; dropout is off at
+    inference). A 1-10 rating scale (typical 5-6.5); the prompt is not read."""
+
+    def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
+                 clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+        self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
+        self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
+        sizes = [self.clip.config.projection_dim, 1024, 128, 64, 16, 1]
+        self.head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
+        # the published head is Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
+        index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
+        self.head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
+        self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        embedding = self.clip(pixel_values=pixels).image_embeds.float()
+        return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def hub_file(repo_or_folder: str, filename: str) -> str:
+    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
+    if Path(repo_or_folder).is_dir():
+        return str(Path(repo_or_folder) / filename)
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_or_folder, filename)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
+    if len(a) < len(b):
+        a, b = b, a
+    row = list(range(len(b) + 1))  # row[j]: distance between the prefix of a read so far and b[:j]
+    for i, ca in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
+    return row[-1]
+
+
+def ocr_reward(recognised: str, prompt: str) -> float:
+    """Flow-GRPO's text-rendering reward (its flow_grpo/ocr.py, OcrScorer): 1 - d / len(target), in [0, 1].
+
+    The target is the prompt's text after its first double quote, up to the next one (prompt.split('"')[1], so an
+    unmatched quote takes the rest); a prompt without quotes is its own target. Target and recognised text are
+    lower-cased with every whitespace character removed (the official code removes spaces from strings whose OCR
+    lines it joins with nothing; here lines come separated by newlines). d = 0 when the target occurs inside the
+    recognised text, else their edit distance capped at len(target): unrelated extra text costs at most the whole
+    target. An empty target occurs in every text, so it scores 1 (the official code divides by zero there)."""
+    target = prompt.split('"')[1] if '"' in prompt else prompt
+    target, text = ("".join(s.split()).lower() for s in (target, recognised))
+    if target in text:
+        return 1.0
+    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
+
+
+class OCRScore:
+    """Flow-GRPO's text-rendering reward: ocr_reward(the text read in the image, prompt) in [0, 1], 1 when the
+    prompt's quoted text is legible in the image. Unlike the official scorer, a failed read raises (never a silent 0).
+
+    The reader is GOT-OCR 2.0 (GotOcr2ForConditionalGeneration, 561M parameters: a 90M SAM-B-style vision encoder
+    and a Qwen2-0.5B decoder) in place of the official PaddleOCR: it ships inside transformers, which the project
+    already requires (no second OCR package, no paddle), reads a whole image (scene text, not only a cropped line),
+    and runs offline once its weights are in the hub cache. It gets its processor's plain whole-image OCR prompt and
+    8-bit pixels through the processor's PIL backend (bicubic resize to 1024 x 1024, CLIP normalisation), forced so
+    that preprocessing is the same with or without torchvision. Decoding is greedy and batched; it stops at
+    <|im_end|> (where the model card's example stops) or <|endoftext|> (the original GOT's end of sequence), passed
+    explicitly since the checkpoint's generation config sets no end token, or after max_new_tokens (128: several
+    hundred characters, far more than a prompt's quoted text). The texts read by the last call are in `last_texts`."""
+
+    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
+                 max_new_tokens: int = 128):
+        from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
+        self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
+        self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
+        self.model = self.model.eval().requires_grad_(False).to(device)
+        self.device, self.dtype, self.max_new_tokens = torch.device(device), dtype, max_new_tokens
+        tok = self.processor.tokenizer
+        self.stop_ids = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+                         if i is not None and i != tok.unk_token_id]
+        self.pad_id = self.stop_ids[0] if tok.pad_token_id is None else tok.pad_token_id
+        vision = self.model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid
+        self.num_image_tokens = (-(-(vision.image_size // vision.patch_size) // 4)) ** 2  # 256 for GOT-OCR 2.0
+        self.last_texts: list[str] = []
+
+    @torch.no_grad()
+    def recognise(self, images: torch.Tensor) -> list[str]:
+        """The text read in each image (N,3,H,W) in [0, 1]."""
+        from PIL import Image
+        pixels = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+        inputs = self.processor([Image.fromarray(a) for a in pixels], num_image_tokens=self.num_image_tokens,
+                                return_tensors="pt").to(self.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
+        self.last_texts = self.recognise(images)
+        scores = [ocr_reward(text, prompt) for text, prompt in zip(self.last_texts, prompts, strict=True)]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+class ImageRewardScore:
+    """ImageReward v1.0 (Xu et al.: BLIP ViT-L with a reward head trained on human rankings), its raw score (about
+    -2 to 2, standardised on its training set) through the `image-reward` package, one image and its prompt at a
+    time. That package cannot share the trainer's environment: its BLIP code imports names that transformers 4.56
+    and later lack (`apply_chunking_to_forward`, from `transformers.modeling_utils`) and needs torchvision. So it
+    runs in an environment of its own, behind `python common.py serve-reward --reward imagereward` (README,
+    Rewards)."""
+
+    def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
+        try:
+            import ImageReward
+        except ImportError as e:
+            raise UsageError(f"imagereward needs the image-reward package and transformers<4.56 ({e}); serve it from "
+                             f"an environment of its own (README, Rewards) and pass --reward "
+                             f"remote:http://HOST:PORT/imagereward") from None
+        self.model, self.device = ImageReward.load(model_id, device=str(device)), device
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        from PIL import Image
+        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
+        scores = [float(self.model.score(prompt, Image.fromarray(im))) for prompt, im in zip(prompts, pixels)]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
+           "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore, "imagereward": ImageRewardScore}
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -951,8 +1180,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 class RemoteReward:
     """A scorer in another process or machine (one that needs its own environment: GenEval's detector,
     ImageReward on old transformers, a VLM judge), reached over HTTP. Each call POSTs one JSON batch,
-    {"prompts": [...], "images": [...]} with every image as base64 of a .npy uint8 array (H, W, 3), and
-    reads {"scores": [one number per image]} back. `python common.py serve-reward` is the reference server.
+    {"prompts": [...], "metadata": [...], "images": [...]} with every image as base64 of a .npy uint8 array
+    (H, W, 3) and each prompt's record from the prompt file as metadata (null when there is none), and reads
+    {"scores": [one number per image]} back. `python common.py serve-reward` is the reference server.
 
     A request that fails (no connection, timeout, HTTP error) is retried `retries` times with doubling waits,
     then the run stops with one line naming the URL. A reply with the wrong count or a score that is not a
@@ -961,7 +1191,7 @@ class RemoteReward:
     def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
 
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, metadata=None):
         import base64
         import urllib.error
         import urllib.request
@@ -971,7 +1201,8 @@ class RemoteReward:
             buf = io.BytesIO()
             np.save(buf, im)
             encoded.append(base64.b64encode(buf.getvalue()).decode())
-        body = json.dumps({"prompts": list(prompts), "images": encoded}).encode()
+        body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
+                           "images": encoded}).encode()
         for attempt in range(self.retries + 1):
             try:
                 request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
@@ -1012,7 +1243,10 @@ def serve_reward(argv=None):
     a = ap.parse_args(argv)
     if a.reward not in REWARDS:
         ap.error(f"unknown --reward {a.reward!r}; choose one of {', '.join(REWARDS)}")
-    scorer, lock = REWARDS[a.reward](device=a.device), threading.Lock()  # one batch at a time on the model
+    try:
+        scorer, lock = REWARDS[a.reward](device=a.device), threading.Lock()  # one batch at a time on the model
+    except UsageError as e:
+        ap.error(str(e))
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -1023,7 +1257,7 @@ def serve_reward(argv=None):
                 images = [np.load(io.BytesIO(base64.b64decode(x))) for x in batch["images"]]
                 images = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
                 with lock, torch.no_grad():
-                    scores = scorer(images, batch["prompts"]).float().tolist()
+                    scores = scorer(images, batch["prompts"], batch.get("metadata")).float().tolist()
             except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
                 return self._send(500, {"error": f"{type(e).__name__}: {e}"})
             self._send(200, {"scores": scores})
@@ -1044,23 +1278,39 @@ def serve_reward(argv=None):
     server.serve_forever()
 
 
+REWARD_NORMS = ("sum", "per-reward")
+
+
 class WeightedReward:
-    """A weighted sum of scorers. __call__ returns (total (N,), {name: (N,)}).
+    """Several scorers with weights (--reward). __call__ returns (total (N,), {name: (N,)}), float32 on `device`:
+    the weighted sum and each scorer's own scores. `advantages` turns them into one advantage per sample, by
+    --reward-norm (`norm`):
+      sum         the group advantage of the weighted sum (Flow-GRPO's aggregation);
+      per-reward  each reward's own group advantage, then their weighted sum (MixGRPO's and G2RPO's).
 
     Under torchrun every rank scores the same number of batches, so each call also tells every rank whether a
     scorer failed on any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
 
-    def __init__(self, spec: str, device="cpu"):
+    def __init__(self, spec: str, device="cpu", norm: str = "sum"):
+        if norm not in REWARD_NORMS:
+            raise UsageError(f"unknown --reward-norm {norm!r}: choose one of {', '.join(REWARD_NORMS)}")
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
                        else REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
+        self.weights = {name: w for name, w, _ in self.terms}
+        self.device, self.norm = device, norm
         self.calls = 0  # images scored so far
 
     @torch.no_grad()
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, metadata=None, batch_size: int | None = None):
+        """Scores images against prompts (and their records, `metadata`), `batch_size` images per scorer call."""
         self.calls += len(images)
-        error = None
+        step = batch_size or max(len(images), 1)
+        error, chunks = None, []
         try:
-            parts = {name: fn(images, prompts).float() for name, _, fn in self.terms}
+            for i in range(0, len(images), step):
+                meta = None if metadata is None else metadata[i:i + step]
+                chunks.append({name: fn(images[i:i + step], prompts[i:i + step], meta).float().to(self.device)
+                               for name, _, fn in self.terms})
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
             error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
         if dist.is_initialized():
@@ -1069,12 +1319,32 @@ class WeightedReward:
             error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
         if error:
             raise TrainingStopped(f"the reward failed {error}")
-        total = sum(w * parts[name] for name, w, _ in self.terms)
-        return total, parts
+        parts = {name: torch.cat([c[name] for c in chunks]) for name in self.weights}
+        return self.total(parts), parts
+
+    def total(self, parts: dict) -> torch.Tensor:
+        return sum(w * parts[name] for name, w in self.weights.items())
+
+    def advantages(self, parts: dict, group_advantage) -> torch.Tensor:
+        """`group_advantage` (rewards of any shape -> advantages of that shape, the trainer's normalisation) applied
+        to the weighted sum of `parts`, or to each part and then summed with the weights (per-reward)."""
+        if self.norm == "sum":
+            return group_advantage(self.total(parts))
+        return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
+
+    def means(self, parts: dict, prefix: str = "reward_") -> dict:
+        """Each scorer's mean over every rank, for the logs: {"reward_<name>": mean}."""
+        return {prefix + short_reward_name(name): all_reduce_mean(parts[name].float().mean()).item()
+                for name in self.weights}
 
 
-def build_reward(spec: str, device="cpu") -> WeightedReward:
-    return WeightedReward(spec, device)
+def short_reward_name(name: str) -> str:
+    """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
+    return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
+
+
+def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
+    return WeightedReward(spec, device, norm)
 
 
 # =============================================================================================
@@ -1208,19 +1478,35 @@ def write_atomic(path: Path, text: str):
     os.replace(tmp, path)
 
 
-def save_image_grid(images: torch.Tensor, path: Path, nrow: int | None = None):
-    """Saves (N, 3, H, W) images in [0, 1] as one PNG grid (small images are upscaled to be visible)."""
-    from PIL import Image
-    n, _, h, w = images.shape
-    nrow = nrow or math.ceil(math.sqrt(n))
-    ncol = math.ceil(n / nrow)
-    grid = torch.zeros(3, ncol * (h + 2), nrow * (w + 2))
-    for i, im in enumerate(images.float().nan_to_num(0.0).clamp(0, 1).cpu()):
-        r, c = divmod(i, nrow)
-        grid[:, r * (h + 2) + 1: r * (h + 2) + 1 + h, c * (w + 2) + 1: c * (w + 2) + 1 + w] = im
-    img = Image.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-    scale = max(1, 128 // h)
-    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
+def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
+    """Saves one PNG: a row per prompt, the prompt written on its left, then its images ((n, 3, H, W) in [0, 1]).
+    With `groups` (titles), each row's images split into that many equal groups side by side under their titles:
+    the same prompts and seeds from two models, say. Tiles are 128-256 px high (small images upscaled)."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+    if not rows:
+        return
+    h, w = rows[0][1].shape[-2:]
+    th = h * max(1, 128 // h) if h < 128 else min(h, 256)       # tile size
+    tw, pad, label_w, top = round(w * th / h), 4, 200, 20 if groups else 0
+    cols = max(len(images) for _, images in rows)
+    per_group = math.ceil(cols / len(groups)) if groups else cols
+
+    def x_of(c):  # a column's left edge: a wider gap between groups
+        return label_w + pad + c * (tw + pad) + (c // per_group) * 4 * pad
+
+    canvas = Image.new("RGB", (x_of(cols - 1) + tw + pad, top + len(rows) * (th + pad) + pad), "white")
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    for g, title in enumerate(groups or []):
+        draw.text((x_of(g * per_group), 4), title, fill="black", font=font)
+    for r, (prompt, images) in enumerate(rows):
+        y = top + r * (th + pad) + pad
+        draw.multiline_text((pad, y), "\n".join(textwrap.wrap(prompt, 32)[:th // 12]), fill="black", font=font)
+        for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
+            resample = Image.NEAREST if th >= h else Image.BICUBIC
+            canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
+    canvas.save(path)
 
 
 @dataclasses.dataclass
@@ -1311,13 +1597,13 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     return run
 
 
-def find_checkpoint(path: str) -> Path:
+def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     """--resume accepts a checkpoint folder or a run folder (then its latest checkpoint)."""
     p = Path(path)
     if (p / "checkpoints" / "latest").is_file():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
     if not (p / "training_state.pt").is_file():
-        raise UsageError(f"--resume {path}: no checkpoint there; pass a run folder or one of its "
+        raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
     return p
 
@@ -1569,34 +1855,186 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
-             seed: int = 0, batch_size: int = 16, accuracy_fn=None):
+             seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
     """Held-out evaluation with the deterministic ODE sampler. Image i uses prompt i mod len(records) and
     initial noise seeded by (seed, i), so the evaluation is identical for any number of ranks or batch
-    size. Ranks split the images. Returns ({"eval_reward", ["eval_accuracy"]}, this rank's images)."""
+    size. Ranks split the images. Returns (metrics, rows):
+      metrics  eval_reward (the weighted sum's mean over the images), eval_<name> for each scorer (its own mean),
+               each with its standard error (eval_reward_se, eval_<name>_se: sample std / sqrt(n)), and
+               eval_accuracy (strict, with `accuracy_fn`);
+      rows     [(prompt, images (n, 3, H, W))] for the grid, on every rank: the first grid[0] prompts, each with
+               up to grid[1] of its images."""
     sigmas = adapter.sigmas(steps)
+    names = list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
-    sums = torch.zeros(3, dtype=torch.float64)
-    images = []
+    P, (max_rows, max_cols) = len(records), grid
+    shown = {i for i in range(min(num_images, P * max_cols)) if i % P < max_rows}
+    scores, kept = {}, {}  # image index -> [weighted sum, *scorers, accuracy]; image index -> uint8 image for the grid
     for i in range(0, -(-num_images // runtime.world_size), batch_size):  # as many batches on every rank (FSDP)
         chunk = mine[i: i + batch_size]
         if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
             prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
             x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
-            reward_fn(adapter.decode(x), prompt)
+            reward_fn(adapter.decode(x), prompt, records[:1])
             continue
-        prompts = [records[j % len(records)]["prompt"] for j in chunk]
+        recs = [records[j % P] for j in chunk]
+        prompts = [r["prompt"] for r in recs]
         x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
         imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
-        sums[0] += reward_fn(imgs, prompts)[0].sum().item()
-        sums[1] += accuracy_fn(imgs, prompts).sum().item() if accuracy_fn else 0.0
-        sums[2] += len(chunk)
-        images.append(imgs.cpu())
+        total, parts = reward_fn(imgs, prompts, recs)
+        accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
+        columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
+        scores.update(zip(chunk, columns.double().cpu().tolist()))
+        kept.update({j: im for j, im in zip(chunk, _to_uint8(imgs)) if j in shown})
     if dist.is_initialized():
-        dist.all_reduce(sums)
-    out = {"eval_reward": (sums[0] / sums[2]).item()}
+        gathered = [None] * runtime.world_size
+        dist.all_gather_object(gathered, (scores, kept))
+        scores = {j: v for part, _ in gathered for j, v in part.items()}
+        kept = {j: im for _, part in gathered for j, im in part.items()}
+    table = np.array([scores[j] for j in sorted(scores)])  # (images, columns), float64, in image order
+    out = {}
+    for c, key in enumerate(["reward"] + [short_reward_name(name) for name in names]):
+        out[f"eval_{key}"] = float(table[:, c].mean())
+        out[f"eval_{key}_se"] = float(table[:, c].std(ddof=1) / math.sqrt(len(table))) if len(table) > 1 else 0.0
     if accuracy_fn is not None:
-        out["eval_accuracy"] = (sums[1] / sums[2]).item()
-    return out, torch.cat(images) if images else torch.zeros(0)
+        out["eval_accuracy"] = float(table[:, -1].mean())
+    rows = [(records[r]["prompt"], torch.stack([kept[j] for j in sorted(kept) if j % P == r]).float() / 255)
+            for r in range(min(P, max_rows)) if any(j % P == r for j in kept)]
+    return out, rows
+
+
+def _to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return (images.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+# What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
+EVAL_DEFAULTS = {"toy": ("toy", 20), "tiny-flux": ("jpeg", 4), "tiny-sd3": ("jpeg", 4), "flux": ("pickscore", 28),
+                 "sd3": ("pickscore", 40)}  # model -> (reward, ODE steps)
+
+
+def evaluate_main(argv=None) -> dict:
+    """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts with the
+    ODE sampler at fixed seeds (as the trainers evaluate), prints each reward's mean +- standard error, and writes
+    results.json and grid.png (a row per prompt; two models side by side). Works under torchrun."""
+    ap = argparse.ArgumentParser(prog="common.py evaluate", description=evaluate_main.__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", action="append", default=[],
+                    help="a run folder (its latest checkpoint) or a checkpoints/iter_* folder, or base (the model "
+                         "before training); twice to compare two side by side (default: base)")
+    ap.add_argument("--model", choices=MODELS, help="default: the checkpoint's")
+    ap.add_argument("--model-path", help="default: the run's")
+    ap.add_argument("--reward", help="reward spec as the trainers' --reward (default: the run's)")
+    ap.add_argument("--prompts", help="prompt file as the trainers' --prompts (default: the run's); its held-out "
+                                      "split is scored")
+    ap.add_argument("--all-prompts", action="store_true", help="score every prompt of the file, not its held-out "
+                                                               "split (an evaluation set such as DrawBench)")
+    ap.add_argument("--images", type=int, help="images in all, prompts cycling (default: the run's --eval-images)")
+    ap.add_argument("--steps", type=int, help="ODE steps (default: the run's --eval-steps)")
+    ap.add_argument("--seed", type=int, help="noise of image i is seeded by (seed, i) (default: the run's)")
+    ap.add_argument("--resolution", type=int)
+    ap.add_argument("--guidance-scale", type=float)
+    ap.add_argument("--max-sequence-length", type=int)
+    ap.add_argument("--dtype", choices=list(DTYPES), default=None)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs only)")
+    ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
+    a = ap.parse_args(argv)
+    try:
+        return _evaluate_main(a)
+    except UsageError as e:
+        print0(f"common.py evaluate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        cleanup_runtime()
+
+
+def _evaluate_main(a) -> dict:
+    if len(a.checkpoint) > 2:
+        raise UsageError("--checkpoint compares at most two models side by side")
+    entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
+    for spec in a.checkpoint or ["base"]:
+        if spec == "base":
+            entries.append(("base", None, {}, {}))
+            continue
+        checkpoint = find_checkpoint(spec, "--checkpoint")
+        info_file, args_file = checkpoint / "checkpoint.json", checkpoint.parent.parent / "args.json"
+        if not info_file.is_file():
+            raise UsageError(f"checkpoint {checkpoint} has no checkpoint.json (written before evaluate existed)")
+        entries.append((spec, checkpoint, json.loads(info_file.read_text()),
+                        json.loads(args_file.read_text()) if args_file.is_file() else {}))
+    run = next((config for _, ckpt, _, config in entries if ckpt is not None), {})
+    models = {info["model"] for _, ckpt, info, _ in entries if ckpt is not None} | ({a.model} if a.model else set())
+    if len(models) > 1:
+        raise UsageError(f"the checkpoints and --model name different models ({', '.join(sorted(models))}): "
+                         f"compare models of one base")
+    if not models:
+        raise UsageError("pass --model for the base model, or --checkpoint with a trained run")
+    model = models.pop()
+
+    def pick(flag, key, fallback=None):
+        value = getattr(a, flag)
+        return value if value is not None else run.get(key, fallback)
+    reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
+    steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
+    seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
+    at_least(1, images=images, steps=steps, batch_size=a.batch_size)
+    parse_reward_spec(reward_spec)
+    train, held_out = load_prompts(pick("prompts", "prompts"), model)
+    records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
+    out_dir = Path(a.output or Path("evals") / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
+    if out_dir.exists() and any(out_dir.iterdir()):  # every rank checks, before any collective
+        raise UsageError(f"--output {out_dir} is not empty: pass a new folder (nothing is overwritten)")
+    rt = setup_runtime(seed, a.threads, dtype)
+    reward_fn = build_reward(reward_spec, rt.device)
+    results, rows = {}, []
+    for label, checkpoint, info, _ in entries:
+        adapter = load_model(model, rt, pick("model_path", "model_path"), pick("resolution", "resolution"),
+                             pick("guidance_scale", "guidance_scale"),
+                             pick("max_sequence_length", "max_sequence_length"))
+        if checkpoint is not None:
+            load_trained_weights(adapter, checkpoint, info)
+        adapter.transformer.eval()
+        metrics, grid = evaluate(adapter, adapter.transformer, records, images, steps, reward_fn, rt, seed=seed,
+                                 batch_size=a.batch_size, accuracy_fn=toy_accuracy if model == "toy" else None)
+        results[label] = metrics
+        rows.append(grid)
+        del adapter
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        names = ["reward"] + [short_reward_name(n) for n in reward_fn.weights]
+        print(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
+              f"reward {reward_spec}")
+        for label, m in results.items():
+            for name in names:
+                print(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
+            if "eval_accuracy" in m:
+                print(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
+        summary = {"model": model, "reward": reward_spec, "prompts": pick("prompts", "prompts"),
+                   "all_prompts": a.all_prompts, "prompt_count": len(records), "images": images, "steps": steps,
+                   "seed": seed, "results": results}
+        write_atomic(out_dir / "results.json", json.dumps(summary, indent=2))
+        merged = [(prompt, torch.cat([r[i][1] for r in rows])) for i, (prompt, _) in enumerate(rows[0])]
+        save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
+        print(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
+    return results
+
+
+def load_trained_weights(adapter, checkpoint: Path, info: dict):
+    """Puts the weights a checkpoint publishes into adapter.transformer: its LoRA
+    (pytorch_lora_weights.safetensors) or its full transformer (transformer/), the EMA weights when the run kept
+    an EMA, which is what the trainers evaluate."""
+    if info.get("lora_rank"):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        add_lora(adapter.transformer, info["lora_rank"], info["lora_alpha"], adapter.lora_targets)
+        state = {k.removeprefix("transformer."): v for k, v in
+                 load_file(checkpoint / "pytorch_lora_weights.safetensors").items()}
+        result = set_peft_model_state_dict(adapter.transformer, state)
+        if result.unexpected_keys:
+            raise UsageError(f"checkpoint {checkpoint}'s LoRA does not fit this model (e.g. "
+                             f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
+    else:
+        trained = type(adapter.transformer).from_pretrained(checkpoint / "transformer")
+        adapter.transformer.load_state_dict(trained.state_dict())
 
 
 # =============================================================================================
@@ -2106,5 +2544,7 @@ if __name__ == "__main__":
         pretrain_toy(sys.argv[2:])
     elif len(sys.argv) > 1 and sys.argv[1] == "serve-reward":
         serve_reward(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "evaluate":
+        evaluate_main(sys.argv[2:])
     else:
-        print("usage: python common.py pretrain-toy | serve-reward [--help]")
+        print("usage: python common.py pretrain-toy | serve-reward | evaluate [--help]")

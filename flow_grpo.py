@@ -108,6 +108,9 @@ class Args:
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
     global_std: bool = field(True, "advantages divided by the std of all the iteration's rewards (else the group's)")
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
+                                    "per-reward (each reward's advantage, then their weighted sum)",
+                             choices=common.REWARD_NORMS)
 
 
 # Full scale: what differs from the toy defaults above, from [Flow-GRPO App. B.3] and the official configs (beta:
@@ -215,7 +218,7 @@ def main(args: Args) -> dict:
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device)
+    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
@@ -265,10 +268,10 @@ def main(args: Args) -> dict:
     # >>> shared: eval
     def run_eval(it):
         with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
                                         reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:
-            common.save_image_grid(imgs[:64], run.dir / f"eval_{it:06d}.png")
+        if rt.is_main:  # a row per prompt
+            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
         return res
 
     metrics = {}
@@ -294,9 +297,10 @@ def main(args: Args) -> dict:
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
+        texts = [r["prompt"] for r in records]
         # <<< shared: iteration-start
-        prompts = [p for p in texts for _ in range(G)]       # (N,) prompt-major: a group is G consecutive rows
+        owners = [r for r in records for _ in range(G)]      # (N,) prompt-major: a group is G consecutive rows
         cond = common.cond_repeat(adapter.encode(texts), G)
         latents, log_probs = [], []                          # (N, T+1, ...) and (N, T)
         transformer.eval()
@@ -320,9 +324,9 @@ def main(args: Args) -> dict:
         tic = time.time()
         with torch.no_grad():
             images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
-            rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
-        rewards = rewards.to(rt.device).float()
-        advantages = group_advantages(rewards, G, args.global_std).clamp(-args.adv_clip, args.adv_clip)
+            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+        advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
+        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
@@ -370,6 +374,7 @@ def main(args: Args) -> dict:
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
+            **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,

@@ -38,7 +38,8 @@ Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO,
      (no dynamic shift); shift 1 on the toy, its adapter's own grid. Evaluation keeps the model's own sampler,
      as the paper evaluates with the stock FLUX pipeline.
   7. Several reward models: each is z-scored on its own and the advantages are summed with the --reward
-     weights (official: HPS + CLIP summed with weight 1).
+     weights (official: HPS + CLIP summed with weight 1): --reward-norm per-reward, the default here.
+     --reward-norm sum z-scores their weighted sum instead.
   8. Updates run k = 0, 1, ... in order after all rollouts of the iteration, so only the first update of an
      iteration is exactly on-policy (ratio 1); a step's loss is the mean over all branches of all prompts of
      the rank (official: one prompt per GPU), and DDP averages the ranks.
@@ -139,6 +140,9 @@ class Args:
     grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]")
+    reward_norm: str = field("per-reward", "with several rewards: per-reward (each z-scored, then summed with the "
+                                           "weights, as G2RPO) or sum (the weighted sum z-scored)",
+                             choices=common.REWARD_NORMS)
     beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none")
 
 
@@ -301,7 +305,7 @@ def main(args: Args) -> dict:
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device)
+    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
@@ -341,7 +345,7 @@ def main(args: Args) -> dict:
     # <<< shared: setup-train
     sigmas = common.uniform_sigmas(T, args.grid_shift)       # (T+1,) t_0 = 1 ... t_T = 0 (reading 6)
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
-    weights = {name: w for name, w, _ in reward_fn.terms}    # MGAI sums the reward models' advantages
+    weights = reward_fn.weights                               # MGAI sums the reward models' advantages
 
     def ref_mean(x, t, s, cond):
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
@@ -357,10 +361,10 @@ def main(args: Args) -> dict:
     # >>> shared: eval
     def run_eval(it):
         with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
                                         reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:
-            common.save_image_grid(imgs[:64], run.dir / f"eval_{it:06d}.png")
+        if rt.is_main:  # a row per prompt
+            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
         return res
 
     metrics = {}
@@ -386,7 +390,8 @@ def main(args: Args) -> dict:
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
+        texts = [r["prompt"] for r in records]
         # <<< shared: iteration-start
         cond = adapter.encode(texts)                          # (B, ...) one row per prompt
         transformer.eval()
@@ -433,17 +438,22 @@ def main(args: Args) -> dict:
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----
         tic = time.time()
         flat = rearrange(latents, "b k g l ... -> (b k g l) ...")
-        owners = [p for p in texts for _ in range(K * G * L)]  # the prompt of each row of flat
+        owners = [r for r in records for _ in range(K * G * L)]  # the prompt (record) of each row of flat
         parts = {name: [] for name in weights}
         with torch.no_grad():
             for i in range(0, len(flat), M):                  # decode and score in micro-batches; images are not kept
-                for name, r in reward_fn(adapter.decode(flat[i:i + M]), owners[i:i + M])[1].items():
+                rows_i = owners[i:i + M]
+                for name, r in reward_fn(adapter.decode(flat[i:i + M]), [o["prompt"] for o in rows_i],
+                                         rows_i)[1].items():
                     parts[name].append(r)
-            anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), texts[rows])[0] for rows in chunks])
-        parts = {name: rearrange(torch.cat(r).to(rt.device).float(), "(b k g l) -> b k g l", k=K, g=G, l=L)
-                 for name, r in parts.items()}
-        rewards = sum(weights[name] * r for name, r in parts.items())                   # (B, K, G, L)
-        advantages = mgai_advantages(parts, weights, args.adv_clip)                     # (B, K, G)
+            anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), texts[rows], records[rows])[0]
+                                        for rows in chunks])
+        parts = {name: rearrange(torch.cat(r), "(b k g l) -> b k g l", k=K, g=G, l=L) for name, r in parts.items()}
+        rewards = reward_fn.total(parts)                                                # (B, K, G, L)
+        if args.reward_norm == "per-reward":
+            advantages = mgai_advantages(parts, weights, args.adv_clip)                 # (B, K, G)
+        else:
+            advantages = mgai_advantages({"sum": rewards}, {"sum": 1.0}, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: one optimizer step per k in M, PPO-clipped ratio of the single SDE step ----
@@ -486,6 +496,7 @@ def main(args: Args) -> dict:
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
+            **reward_fn.means(parts),
             **{f"reward_stride{s}": common.all_reduce_mean(rewards[..., l].mean()).item()
                for l, s in enumerate(strides)},
             "anchor_reward": common.all_reduce_mean(anchor_rewards.float().mean().to(rt.device)).item(),

@@ -54,6 +54,8 @@ Simplifications / readings (the paper releases no code and leaves these open):
      (decodes, reward_calls) but not in the ratio; the paper's FLOPs table adds them.
   8. FLUX (T = 6): checkpoints {3, 4}, the paper's {5, 7} of T = 10 at the same fractions of T.
   9. Toy: Flow-GRPO's group of 8 expanded as the paper expands 24, 16 -> 8 -> 4.
+  10. Several rewards: OVF filters on their weighted sum (the training reward); with --reward-norm per-reward
+     the survivors' advantage is the weighted sum of each reward's own, clamped after the sum.
 
 Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
 name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
@@ -76,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -142,6 +145,9 @@ class Args:
     updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
+                                    "per-reward (each reward's advantage, then their weighted sum)",
+                             choices=common.REWARD_NORMS)
     beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
     funnel: str = field("8,4", "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
                                "from --group-size; the last is the trained group K; '' = no pruning")
@@ -313,7 +319,7 @@ def main(args: Args) -> dict:
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device)
+    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
@@ -363,12 +369,13 @@ def main(args: Args) -> dict:
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
 
-    def score(x, ids, texts):
-        """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: (n,) on CPU."""
+    def score(x, ids, records):
+        """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: the weighted sum
+        (n,) and each reward {name: (n,)}, on CPU."""
         images = torch.cat([adapter.decode(x[i:i + M]) for i in range(0, len(x), M)])
-        owners = [texts[j] for j in (ids // G).tolist()]
-        rewards = [reward_fn(images[i:i + M], owners[i:i + M])[0] for i in range(0, len(x), M)]
-        return torch.cat(rewards).float().cpu()
+        owners = [records[j] for j in (ids // G).tolist()]
+        total, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+        return total.cpu(), {name: r.cpu() for name, r in parts.items()}
 
     def group_std(r, n):
         """Mean over prompts of the within-group std of rewards r (B*n,), population form as OVF's Var_K."""
@@ -377,10 +384,10 @@ def main(args: Args) -> dict:
     # >>> shared: eval
     def run_eval(it):
         with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
                                         reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:
-            common.save_image_grid(imgs[:64], run.dir / f"eval_{it:06d}.png")
+        if rt.is_main:  # a row per prompt
+            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
         return res
 
     metrics = {}
@@ -406,7 +413,8 @@ def main(args: Args) -> dict:
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
+        texts = [r["prompt"] for r in records]
         # <<< shared: iteration-start
         cond = adapter.encode(texts)                          # (B, ...) one row per prompt, indexed by alive // G
 
@@ -427,12 +435,13 @@ def main(args: Args) -> dict:
                     n, n_next = len(alive) // B, sizes[steps_at.index(k)]
                     # [Pro-GRPO, preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF)
                     x0_hat = common.x0_prediction(z, v, sigmas[k]) if k < T else z
-                    proxy = score(x0_hat, alive, texts)              # (|S|,) R_hat, the training reward on previews
+                    proxy, proxy_parts = score(x0_hat, alive, records)  # (|S|,) R_hat: the training reward on previews
                     # [Pro-GRPO, OVF] per prompt, keep the max-variance subset of size K_{i+1}
                     keep = torch.cat([b * n + ovf_select(proxy[b * n:(b + 1) * n], n_next) for b in range(B)])
                     diag.update({f"ovf{k}_preview_mean": proxy.mean().item(), f"ovf{k}_std_before": group_std(proxy, n),
                                  f"ovf{k}_std_after": group_std(proxy[keep], n_next)})
                     alive, z, proxy = alive[keep], z[keep], proxy[keep]  # pruned: no more steps, no training
+                    proxy_parts = {name: r[keep] for name, r in proxy_parts.items()}
                     zs, lps = [x[keep] for x in zs], [x[keep] for x in lps]
                     v = v[keep] if k < T else None
                     t_preview += time.time() - tic_p
@@ -449,10 +458,12 @@ def main(args: Args) -> dict:
         tic = time.time()
         static = bool(steps_at) and steps_at[-1] == T         # the last filter already scored the finished images
         with torch.no_grad():
-            rewards = proxy if static else score(latents[:, -1], alive, texts)
-        rewards = rewards.to(rt.device).float()
+            rewards, parts = (proxy, proxy_parts) if static else score(latents[:, -1], alive, records)
+        rewards, parts = rewards.to(rt.device), {name: r.to(rt.device) for name, r in parts.items()}
         grouped = rearrange(rewards, "(b k) -> b k", k=K)
-        advantages = survivor_advantages(grouped, args.adv_clip)
+        advantages = reward_fn.advantages(parts, lambda r: survivor_advantages(rearrange(r, "(b k) -> b k", k=K),
+                                                                               math.inf))
+        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
@@ -503,6 +514,7 @@ def main(args: Args) -> dict:
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
+            **reward_fn.means(parts),
             "group_std_trained": group_std(rewards, K),       # the clustering diagnostic OVF raises
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "ratio_dev_max": max(stats["ratio_dev"]),

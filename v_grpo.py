@@ -44,7 +44,8 @@ Simplifications / readings (where the paper or its summaries leave a choice):
   5. Soft-clip replaces the +-5 clamp (they are alternatives); with --soft-clip 0 the clamp applies.
   6. Settings the paper does not give for FLUX (lr, G, prompts per step, LoRA, N_grad, soft-clip): we take
      its SD3.5 LoRA recipe (r 32, alpha 64, lr 3e-4), MixGRPO's protocol (720 px, group 12, 16 ODE steps,
-     300 iterations), N_grad 2 with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run).
+     300 iterations, several rewards normalised one by one and summed: --reward-norm per-reward), N_grad 2
+     with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run).
      SD3 follows stage 1 of its SD3.5-M curriculum (no CFG, 40 ODE steps, 48 x 24, N_grad 1, kappa 3, no
      clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed); the other stages are separate runs.
   7. All N_MC pairs of a micro-batch go through one forward of micro_batch x N_MC rows (the ratio couples
@@ -145,6 +146,9 @@ class Args:
     adv_clip: float = field(5.0, "with --soft-clip 0, advantages are clamped to [-adv_clip, adv_clip]")
     beta: float = field(0.0, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old")
     global_std: bool = field(False, "advantages divided by the std of all the iteration's rewards (else the group's)")
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum) or per-reward (each "
+                                    "reward's advantage, then their weighted sum, as MixGRPO)",
+                             choices=common.REWARD_NORMS)
 
 
 # Full scale: what differs from the toy defaults above, from the paper where it gives them (else reading 6).
@@ -187,6 +191,7 @@ MODEL_DEFAULTS = {
         "micro_batch": 4,
         "lr": 3e-4,
         "sample_steps": 16,
+        "reward_norm": "per-reward",      # MixGRPO's protocol: per-reward advantages, summed
     },
     "tiny": {
         "mc_pairs": 2,
@@ -338,7 +343,7 @@ def main(args: Args) -> dict:
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device)
+    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
@@ -382,10 +387,10 @@ def main(args: Args) -> dict:
     # >>> shared: eval
     def run_eval(it):
         with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, imgs = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
+            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
                                         reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:
-            common.save_image_grid(imgs[:64], run.dir / f"eval_{it:06d}.png")
+        if rt.is_main:  # a row per prompt
+            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
         return res
 
     metrics = {}
@@ -411,9 +416,10 @@ def main(args: Args) -> dict:
         work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
-        texts = [r["prompt"] for r in batch[rt.rank * B:(rt.rank + 1) * B]]  # (B,) this rank's prompts
+        records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
+        texts = [r["prompt"] for r in records]
         # <<< shared: iteration-start
-        prompts = [p for p in texts for _ in range(G)]       # (N,) prompt-major: a group is G consecutive rows
+        owners = [r for r in records for _ in range(G)]      # (N,) prompt-major: a group is G consecutive rows
         cond = common.cond_repeat(adapter.encode(texts), G)
         transformer.eval()
         samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + M)),
@@ -441,9 +447,8 @@ def main(args: Args) -> dict:
         tic = time.time()
         with torch.no_grad():
             images = torch.cat([adapter.decode(samples[i:i + M]) for i in range(0, N, M)])
-            rewards = torch.cat([reward_fn(images[i:i + M], prompts[i:i + M])[0] for i in range(0, N, M)])
-        rewards = rewards.to(rt.device).float()
-        advantages = group_advantages(rewards, G, args.global_std)
+            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+        advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
         if args.soft_clip > 0:
             advantages = soft_clip(advantages, args.soft_clip)
         else:
@@ -493,6 +498,7 @@ def main(args: Args) -> dict:
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
+            **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "ratio_dev_max": max(stats["ratio_dev"]),
             "adv_abs_max": advantages.abs().max().item(),

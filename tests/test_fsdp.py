@@ -42,7 +42,10 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     for ma, mb in zip(a, b):
         for key in ma:
-            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), (key, ma[key], mb[key])
+            # jpeg scores move in whole bytes (1e-3 kB): one image's byte moves a standard error over the 8 evaluation
+            # images by up to 1e-3 / 8, while the weights agree to 1e-5
+            tolerance = 1e-3 / 8 if key.endswith("_se") else 1e-6
+            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=tolerance), (key, ma[key], mb[key])
     wa, wb = transformer_at(tmp_path / "ddp", 2), transformer_at(tmp_path / "fsdp", 2)
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5

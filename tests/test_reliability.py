@@ -44,8 +44,8 @@ def nan_reward(on_calls, rank=None):
     class NaNToy(common.ToyReward):
         calls = 0
 
-        def __call__(self, images, prompts):
-            r = super().__call__(images, prompts)
+        def __call__(self, images, prompts, metadata=None):
+            r = super().__call__(images, prompts, metadata)
             NaNToy.calls += 1
             if NaNToy.calls in on_calls and (rank is None or os.environ.get("RANK", "0") == str(rank)):
                 r[0] = math.nan

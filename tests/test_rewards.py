@@ -15,7 +15,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, read_metrics, run
+from helpers import ROOT, SMALL, read_metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,53 @@ def test_a_wrong_answer_is_an_error_never_a_zero(reply, what):
             common.RemoteReward(url, timeout=5, retries=0)(images(2), ["a", "b"])
 
 
+def test_prompt_metadata_reaches_the_remote_scorer_from_a_training_run(tmp_path):
+    """GenEval-style records (prompt plus tags) in a .jsonl prompt file arrive at the server with their images, each
+    image with its own prompt's record, in training and in evaluation."""
+    records = [{"prompt": f"a {color} {shape}", "tag": "colors", "include": [{"class": shape, "color": color}]}
+               for color, shape in [("red", "circle"), ("blue", "square"), ("green", "cross"), ("white", "circle")]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with recording_server() as (url, bodies):
+        run(flow_grpo, ["--reward", f"remote:{url}", "--prompts", str(tmp_path / "p.jsonl"), *SMALL, "--iterations",
+                        "1", "--output-dir", str(tmp_path / "r")])
+    by_prompt = {r["prompt"]: r for r in records}
+    assert bodies and sum(len(b["images"]) for b in bodies) >= 4
+    for body in bodies:
+        assert len(body["metadata"]) == len(body["prompts"]) == len(body["images"])
+        assert all(m == by_prompt[p] for m, p in zip(body["metadata"], body["prompts"]))
+
+
+def test_per_reward_normalisation_by_hand():
+    """Two rewards, groups of 2: per-reward sums each reward's own group advantage with the weights; sum takes the
+    advantage of the weighted sum (flow_grpo's group advantage: population std + 1e-4)."""
+    toy, jpeg = [0.0, 1.0, 0.5, 0.5], [3.0, 1.0, 2.0, 6.0]
+    parts = {"toy": torch.tensor(toy), "jpeg": torch.tensor(jpeg)}
+
+    def by_hand(r):  # groups (r0, r1), (r2, r3): (r - mean) / (|a - b| / 2 + 1e-4)
+        out = []
+        for a, b in [(r[0], r[1]), (r[2], r[3])]:
+            d = abs(a - b) / 2 + 1e-4
+            out += [(a - (a + b) / 2) / d, (b - (a + b) / 2) / d]
+        return out
+    fn = lambda r: flow_grpo.group_advantages(r, 2, global_std=False)  # noqa: E731
+    per = common.WeightedReward("toy,jpeg:0.5", norm="per-reward").advantages(parts, fn)
+    expected = [x + 0.5 * y for x, y in zip(by_hand(toy), by_hand(jpeg))]
+    assert per.tolist() == pytest.approx(expected, abs=1e-5)
+    summed = common.WeightedReward("toy,jpeg:0.5", norm="sum").advantages(parts, fn)
+    assert summed.tolist() == pytest.approx(by_hand([t + 0.5 * j for t, j in zip(toy, jpeg)]), abs=1e-5)
+    with pytest.raises(common.UsageError, match="--reward-norm"):
+        common.WeightedReward("toy", norm="mean")
+
+
+def test_a_run_with_two_rewards_logs_each_one(tmp_path):
+    run(flow_grpo, ["--reward", "toy,jpeg:0.5", "--reward-norm", "per-reward", *SMALL, "--iterations", "1",
+                    "--output-dir", str(tmp_path / "r")])
+    first = read_metrics(tmp_path / "r")[0]
+    assert first["reward_mean"] == pytest.approx(first["reward_toy"] + 0.5 * first["reward_jpeg"], abs=1e-5)
+    assert first["eval_reward"] == pytest.approx(first["eval_toy"] + 0.5 * first["eval_jpeg"], abs=1e-5)
+    assert first["reward_jpeg"] < 0 and first["eval_reward_se"] > 0
+
+
 def test_bad_remote_specs_name_the_syntax():
     for spec in ["remote:127.0.0.1:8000/jpeg", "remote:http://127.0.0.1:8000/", "remote:http://h:1/x:heavy"]:
         with pytest.raises(common.UsageError, match="remote:http://HOST:PORT/NAME|bad weight"):
@@ -126,16 +173,44 @@ class fake_server:
         self.server.shutdown()
 
 
+class recording_server:
+    """An HTTP server in a thread that keeps every request's JSON body and scores image i of a batch as i."""
+
+    def __init__(self):
+        self.bodies = bodies = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                bodies.append(body)
+                data = json.dumps({"scores": list(range(len(body["images"])))}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}/geneval", self.bodies
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
 def failing_reward(rank: str):
     """The toy reward, raising on its third call (iteration 1's first batch) in the process of the given rank."""
     class Failing(common.ToyReward):
         calls = 0
 
-        def __call__(self, images, prompts):
+        def __call__(self, images, prompts, metadata=None):
             Failing.calls += 1
             if Failing.calls == 3 and os.environ.get("RANK") == rank:
                 raise RuntimeError("the scorer ran out of memory")
-            return super().__call__(images, prompts)
+            return super().__call__(images, prompts, metadata)
     return Failing
 
 
