@@ -826,6 +826,16 @@ class ToyReward:
         return toy_reward(images, prompts).to(self.device)
 
 
+class ToySoftReward:
+    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts, metadata=None):
+        return toy_soft_reward(images, prompts).to(self.device)
+
+
 class JpegCompressibility:
     """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
 
@@ -1143,7 +1153,8 @@ class ImageRewardScore:
 
 
 REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
-           "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore, "imagereward": ImageRewardScore}
+           "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore, "imagereward": ImageRewardScore,
+           "toy-soft": ToySoftReward}
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -2142,6 +2153,43 @@ def toy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """Strict accuracy: 1 if both colour and shape are right, else 0. (N,) float32."""
     return (toy_reward(images, prompts) == 1.0).float()
+
+
+_TOY_SOFT_HALVES = np.linspace(*TOY_HALF_SIZE, 25)  # the drawn sizes, every 0.005 of the canvas
+_TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
+                       for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
+_TOY_SOFT_TEMPLATES = None
+
+
+def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """A continuous version of toy_reward, like a preference model's score rather than GenEval's verdicts:
+    0.5 colour + 0.5 shape, each term in [0, 1]. (N,) float32.
+
+    With the image x clamped to [0, 1] and its soft foreground w = the brightest channel per pixel (1 inside a
+    drawn shape, the coverage on its edges, 0 on black; toy_render draws every palette colour at full brightness):
+      colour = max(0, 1 - |c_hat - c| / d), c_hat = sum_p x_p w_p / sum_p w_p^2 the colour that best explains the
+               image as c_hat * w (least squares; exact for a rendered shape), c the prompt's colour, d = 1 the
+               smallest distance between two palette colours (a neighbour colour earns 0, a blank image 0);
+      shape  = max(0, (IoU - 0.5) / 0.5), IoU = max over the drawn sizes h (TOY_HALF_SIZE, every 0.005) of the
+               soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the prompt's shape m = toy_coverage(shape,
+               h); an IoU of 0.5 or less earns 0, as toy_classify then recognises no shape.
+    A rendered target at a drawn size scores 0.98 to 1 (1 at the template sizes), a circle asked to be a square
+    0.84, a wrong palette colour with the right shape 0.5, a blank image 0; dimming, shrinking or mixing colours
+    lower it gradually. About 3x cheaper than toy_reward."""
+    global _TOY_SOFT_TEMPLATES
+    if _TOY_SOFT_TEMPLATES is None:
+        _TOY_SOFT_TEMPLATES = torch.tensor(np.stack([np.stack([toy_coverage(s, h).ravel() for h in _TOY_SOFT_HALVES])
+                                                     for s in TOY_SHAPES]), dtype=torch.float32)
+    target = [toy_parse(p) for p in prompts]
+    x = images.detach().float().cpu().nan_to_num(0.0).clamp(0, 1).flatten(2)           # (N, 3, P)
+    w = x.amax(1)                                                                       # (N, P)
+    c_hat = (x * w[:, None]).sum(-1) / (w ** 2).sum(-1, keepdim=True).clamp_min(1e-12)  # (N, 3)
+    c = torch.tensor([TOY_COLORS[tc] for tc, _ in target], dtype=torch.float32)
+    colour = (1 - (c_hat - c).norm(dim=1) / _TOY_PALETTE_GAP).clamp(0, 1)
+    m = _TOY_SOFT_TEMPLATES[[TOY_SHAPES.index(ts) for _, ts in target]]                # (N, sizes, P)
+    iou = (torch.minimum(w[:, None], m).sum(-1) / torch.maximum(w[:, None], m).sum(-1)).amax(1)
+    shape = ((iou - 0.5) / 0.5).clamp(0, 1)
+    return 0.5 * colour + 0.5 * shape
 
 
 class ToyTokenizer:
