@@ -435,7 +435,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
     """The trained transformer's weights: float32 under fp16 compute (fp16 autocast over float32 weights, with
-    loss scaling, as Flow-GRPO trains SD3.5), else the compute dtype."""
+    loss scaling, as the official SD3.5 recipes train), else the compute dtype."""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -1064,7 +1064,7 @@ def edit_distance(a: str, b: str) -> int:
 
 
 def ocr_reward(recognised: str, prompt: str) -> float:
-    """Flow-GRPO's text-rendering reward (its flow_grpo/ocr.py, OcrScorer): 1 - d / len(target), in [0, 1].
+    """The text-rendering (OCR) reward, as the official OcrScorer defines it: 1 - d / len(target), in [0, 1].
 
     The target is the prompt's text after its first double quote, up to the next one (prompt.split('"')[1], so an
     unmatched quote takes the rest); a prompt without quotes is its own target. Target and recognised text are
@@ -1080,7 +1080,7 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 
 class OCRScore:
-    """Flow-GRPO's text-rendering reward: ocr_reward(the text read in the image, prompt) in [0, 1], 1 when the
+    """The text-rendering reward: ocr_reward(the text read in the image, prompt) in [0, 1], 1 when the
     prompt's quoted text is legible in the image. Unlike the official scorer, a failed read raises (never a silent 0).
 
     The reader is GOT-OCR 2.0 (GotOcr2ForConditionalGeneration, 561M parameters: a 90M SAM-B-style vision encoder
@@ -1296,8 +1296,9 @@ class WeightedReward:
     """Several scorers with weights (--reward). __call__ returns (total (N,), {name: (N,)}), float32 on `device`:
     the weighted sum and each scorer's own scores. `advantages` turns them into one advantage per sample, by
     --reward-norm (`norm`):
-      sum         the group advantage of the weighted sum (Flow-GRPO's aggregation);
-      per-reward  each reward's own group advantage, then their weighted sum (MixGRPO's and G2RPO's).
+      sum         the group advantage of the weighted sum;
+      per-reward  each reward's own group advantage, then their weighted sum.
+    Each trainer's --reward-norm help says which one its paper uses.
 
     Under torchrun every rank scores the same number of batches, so each call also tells every rank whether a
     scorer failed on any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""

@@ -86,7 +86,9 @@ def test_prompt_metadata_reaches_the_remote_scorer_from_a_training_run(tmp_path)
     records = [{"prompt": f"a {color} {shape}", "tag": "colors", "include": [{"class": shape, "color": color}]}
                for color, shape in [("red", "circle"), ("blue", "square"), ("green", "cross"), ("white", "circle")]]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    with recording_server() as (url, bodies):
+    server = fake_server(lambda body: {"scores": list(range(len(body["images"])))})  # image i of a batch scores i
+    bodies = server.bodies
+    with server as url:
         run(flow_grpo, ["--reward", f"remote:{url}", "--prompts", str(tmp_path / "p.jsonl"), *SMALL, "--iterations",
                         "1", "--output-dir", str(tmp_path / "r")])
     by_prompt = {r["prompt"]: r for r in records}
@@ -148,42 +150,20 @@ class socket_port:
 
 
 class fake_server:
-    """An HTTP server in a thread that answers every POST with `reply` (JSON unless it is a string)."""
+    """An HTTP server in a thread that keeps every request's JSON body (`bodies`) and answers each POST with
+    `reply`: JSON unless it is a string, or reply(body) when it is a function."""
 
     def __init__(self, reply):
-        body = (reply if isinstance(reply, str) else json.dumps(reply)).encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-
-    def __enter__(self):
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_address[1]}/judge"
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-
-
-class recording_server:
-    """An HTTP server in a thread that keeps every request's JSON body and scores image i of a batch as i."""
-
-    def __init__(self):
         self.bodies = bodies = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                bodies.append(body)
-                data = json.dumps({"scores": list(range(len(body["images"])))}).encode()
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                answer = reply
+                if callable(reply):
+                    bodies.append(json.loads(raw))
+                    answer = reply(bodies[-1])
+                data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -195,7 +175,7 @@ class recording_server:
 
     def __enter__(self):
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_address[1]}/geneval", self.bodies
+        return f"http://127.0.0.1:{self.server.server_address[1]}/judge"
 
     def __exit__(self, *exc):
         self.server.shutdown()
