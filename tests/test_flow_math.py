@@ -68,9 +68,17 @@ def test_sde_preserves_the_ode_marginals():
         x_ode = common.ode_step(x_ode, v(x_ode, t), t, u)
         x_sde = common.sde_step(x_sde, v(x_sde, t), t, u, 0.7, float(sigmas[1]), generator=g)[0]
     se_mean, se_var = s / math.sqrt(n), s**2 * math.sqrt(2 / n)
-    assert abs(x_sde.mean() - x_ode.mean()) < 5 * se_mean + 0.01
-    assert abs(x_sde.var() - x_ode.var()) < 5 * se_var + 0.01
-    assert abs(x_sde.mean() - m) < 5 * se_mean + 0.01 and abs(x_sde.var() - s**2) < 5 * se_var + 0.01
+    assert abs(x_sde.mean() - m) < 5 * se_mean and abs(x_sde.var() - s**2) < 5 * se_var  # the data's marginal
+    # The ODE's own Euler error: on a Gaussian each Euler step is affine, x -> a x + b, so pushing the points 0 and
+    # 1 through it gives the ODE's exact output mean (b) and variance (a^2) for unit-Gaussian noise.
+    ends = torch.tensor([[0.0], [1.0]])
+    for k in range(T):
+        t, u = float(sigmas[k]), float(sigmas[k + 1])
+        ends = common.ode_step(ends, v(ends, t), t, u)
+    b, a = float(ends[0]), float(ends[1] - ends[0])
+    assert abs(a**2 - s**2) > se_var / 2                   # at T = 100 the bias is not negligible: it is accounted
+    assert abs(x_sde.mean() - x_ode.mean()) < 5 * se_mean + abs(b - m)
+    assert abs(x_sde.var() - x_ode.var()) < 5 * se_var + abs(a**2 - s**2)
     # and the noise really is there: a wrong drift (score term dropped) visibly inflates the variance
     x_bad = torch.randn(n, 1, generator=g)
     for k in range(T):
