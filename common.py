@@ -1592,6 +1592,7 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     run = Run(run_dir)
     if checkpoint is not None:
         run.checkpoint, run.start = checkpoint, check_checkpoint(checkpoint, meta)
+        _training_state(checkpoint, mmap=True)  # readable, before the folder gets a marker
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -1670,90 +1671,67 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
       - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
         or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
         on, these hold the EMA weights;
-      - training_state.pt: the iteration and elapsed seconds and, without --fsdp, the exact trainable parameters,
+      - training_state.pt: the iteration, the elapsed seconds and, without --fsdp, the exact trainable parameters,
         optimizer and EMA;
       - checkpoint.json: `meta` (trainer, model, LoRA, EMA, FSDP) and the iteration, which --resume checks.
-    Under --fsdp the parameters, their AdamW state and the EMA go to sharded/ in torch.distributed.checkpoint's
-    format, written by every rank and readable under any number of ranks, and the full transformer is gathered
-    to rank 0, which writes it. A checkpoint of this iteration that already exists is kept (the state is the
-    same). Weights that are not finite on any rank are never written: the run stops instead. Every rank calls
-    it; all wait until it is written."""
+    Under --fsdp every rank writes its shards of the parameters, their AdamW state and the EMA to sharded/
+    (torch.distributed.checkpoint's format, which loads under any number of ranks) and the full transformer is
+    gathered to rank 0; otherwise rank 0 writes it all. A checkpoint of this iteration that already exists is kept
+    (the state is the same). Weights that are not finite on any rank are never written: the run stops instead, as
+    it does when any rank fails to write. Every rank calls it; all return once it is in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
-    if any(hasattr(q, "to_local") for q in params):
-        _write_sharded_checkpoint(final, iteration, elapsed, meta, adapter, params, optimizer, ema, rt)
-    elif rt.is_main:
-        _write_checkpoint(final, iteration, elapsed, meta, adapter, params, lora, optimizer, ema)
-    barrier()
-    return final
-
-
-def _cannot_write(iteration: int, root: Path, error: str) -> TrainingStopped:
-    return TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {root} ({error}); free disk "
-                           f"space or pass another --output-dir and --resume the last checkpoint there")
-
-
-def _write_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list, lora: bool,
-                      optimizer, ema: EMA | None):
-    if final.is_dir():
-        return
-    tmp = None
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-            if lora:
-                from peft.utils import get_peft_model_state_dict
-                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
-            else:
-                adapter.transformer.save_pretrained(tmp / "transformer")
-        torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
-                    "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None,
-                    "elapsed": elapsed}, tmp / "training_state.pt")
-        (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
-        os.replace(tmp, final)
-        write_atomic(final.parent / "latest", final.name)
-    except (OSError, RuntimeError) as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise _cannot_write(iteration, final.parent, f"{type(e).__name__}: {e}") from None
-
-
-def _write_sharded_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list,
-                              optimizer, ema: EMA | None, rt: Runtime):
-    """save_checkpoint under --fsdp: the same folder, written by every rank (see there)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     if broadcast_object(final.is_dir()):
-        return
+        return final
+    sharded = any(hasattr(q, "to_local") for q in params)
     tmp, error = None, None
     try:
         if rt.is_main:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
         tmp = broadcast_object(tmp)
-        stepped = bool(optimizer.state)  # before any optimizer step there is no AdamW state to save
-        dcp.save(_sharded_state(params, optimizer if stepped else None, ema), checkpoint_id=tmp / "sharded")
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():  # collective: rank 0 gets it all
-            weights = get_model_state_dict(adapter.transformer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {"iteration": iteration, "elapsed": elapsed}
+        if sharded:
+            state["stepped"] = bool(optimizer.state)  # before the first optimizer step there is no AdamW state
+            dcp.save(_sharded_state(params, optimizer if state["stepped"] else None, ema),
+                     checkpoint_id=tmp / "sharded")
+        elif rt.is_main:
+            state.update(params=[p.detach().cpu() for p in params], optimizer=optimizer.state_dict(),
+                         ema=ema.state_dict() if ema else None)
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+            if sharded:  # collective: rank 0 gets the whole transformer
+                weights = get_model_state_dict(adapter.transformer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rt.is_main and lora:
+                from peft.utils import get_peft_model_state_dict
+                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
+            elif rt.is_main and sharded:
+                _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
+            elif rt.is_main:
+                adapter.transformer.save_pretrained(tmp / "transformer")
         if rt.is_main:
-            _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
-            torch.save({"iteration": iteration, "elapsed": elapsed, "stepped": stepped}, tmp / "training_state.pt")
+            torch.save(state, tmp / "training_state.pt")
             (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         error = f"{type(e).__name__}: {e}"
-    flags = torch.tensor([float(error is None)], device=rt.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    if flags.item() < 1:
+    ok = torch.tensor([float(error is None)], device=rt.device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
         if rt.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _cannot_write(iteration, final.parent, error or "on another rank")
+        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {final.parent} "
+                              f"({error or 'on another rank'}); free disk space or pass another --output-dir and "
+                              f"--resume the last checkpoint there")
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
+    barrier()
+    return final
 
 
 def _sharded_state(params: list, optimizer, ema: EMA | None) -> dict:
@@ -1784,14 +1762,21 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
-def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
-    """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
+def _training_state(checkpoint: Path, mmap: bool = False) -> dict:
+    """training_state.pt (with `mmap`, its tensors are read only when used); an unreadable one is refused."""
     try:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
+        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False, mmap=mmap)
         state["iteration"]
     except Exception as e:
         raise UsageError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                         f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
+                         f"incomplete: resume from an earlier checkpoints/iter_* folder in a new --output-dir, or "
+                         f"start a new run") from None
+    return state
+
+
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
+    """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
+    state = _training_state(checkpoint)
     if any(hasattr(q, "to_local") for q in params):
         _load_sharded(checkpoint, params, optimizer if state["stepped"] else None, ema)
         return state["elapsed"]
@@ -1817,11 +1802,11 @@ def _load_sharded(checkpoint: Path, params: list, optimizer, ema: EMA | None):
     """load_checkpoint under --fsdp: sharded/ into this rank's shards of the parameters, AdamW state (None: the
     checkpoint has none, the optimizer stays fresh) and EMA."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     state = _sharded_state(params, optimizer, ema)
-    dcp.load(state, checkpoint_id=checkpoint / "sharded")
-    set_state_dict(torch.nn.ParameterList(params), [optimizer] if optimizer is not None else [],
-                   model_state_dict=state["params"], optim_state_dict=state.get("optimizer", {}))
+    dcp.load(state, checkpoint_id=checkpoint / "sharded")  # in place: the parameters' and the EMA's shards
+    if optimizer is not None:
+        set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     if ema is not None:
         ema.num_updates = int(state["ema"]["num_updates"])
 

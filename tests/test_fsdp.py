@@ -69,7 +69,8 @@ def test_fsdp_resume_equals_a_straight_run(tmp_path):
 
 def test_fsdp_state_saved_on_2_ranks_loads_on_3(tmp_path):
     """The parameters, both AdamW moments, AdamW's step and the EMA (shadow and count) that 2 ranks save are what
-    3 ranks load, element for element (full tensors gathered on both sides)."""
+    3 ranks load, element for element (full tensors gathered on both sides), and a checkpoint saved before the
+    first optimizer step loads as one: AdamW without state."""
     script = tmp_path / "reshard.py"
     script.write_text(f"import sys\nfrom pathlib import Path\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
                       "import test_fsdp\ntest_fsdp.reshard(sys.argv[1], Path(sys.argv[2]))\n")
@@ -89,8 +90,9 @@ def full_state(params, optimizer, ema) -> dict:
 
 
 def reshard(mode: str, folder):
-    """save: 2 AdamW + EMA steps of the toy model sharded on this run's ranks, a checkpoint, and the full state
-    (saved.pt). load: that checkpoint into a fresh sharded model, optimizer and EMA, compared with saved.pt."""
+    """save: a checkpoint before any step, 2 AdamW + EMA steps of the toy model sharded on this run's ranks, a
+    checkpoint, and the full states (saved.pt). load: both checkpoints into a fresh sharded model, optimizer and
+    EMA, compared with saved.pt (the first leaves AdamW without state, as it was)."""
     rt = common.setup_runtime(0, 1)
     adapter = common.load_model("toy", rt)
     params = common.fully_shard_model(adapter.transformer, rt)
@@ -98,6 +100,8 @@ def reshard(mode: str, folder):
     ema = common.EMA(params, every=1)
     meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True, "fsdp": True}
     if mode == "save":
+        common.save_checkpoint(folder, 0, adapter, params, False, optimizer, ema, 0.5, meta, rt)  # no AdamW state yet
+        start = full_state(params, optimizer, ema)
         for step in range(2):
             for q in params:
                 q.grad = torch.sin(7 * q.detach() + step)
@@ -106,12 +110,16 @@ def reshard(mode: str, folder):
         common.save_checkpoint(folder, 2, adapter, params, False, optimizer, ema, 12.5, meta, rt)
         state = full_state(params, optimizer, ema)
         if rt.is_main:
-            torch.save(state, folder / "saved.pt")
+            torch.save({"start": start, **state}, folder / "saved.pt")
     else:
         saved, fresh = torch.load(folder / "saved.pt"), full_state(params, optimizer, ema)
         assert not any(torch.equal(a, b) for a, b in zip(saved["params"], fresh["params"]))  # something to load
         assert all(m.abs().sum() > 0 for m in saved["exp_avg"] + saved["exp_avg_sq"]) and saved["ema_updates"] == 2
         assert not any(torch.equal(a, b) for a, b in zip(saved["ema"], saved["params"]))
+        assert common.load_checkpoint(folder / "checkpoints" / "iter_000000", params, optimizer, ema) == 0.5
+        start, now = saved.pop("start"), full_state(params, optimizer, ema)
+        assert not optimizer.state and now["ema_updates"] == start["ema_updates"] == 0       # AdamW still fresh
+        assert all(torch.equal(a, b) for key in ("params", "ema") for a, b in zip(now[key], start[key], strict=True))
         checkpoint = folder / "checkpoints" / "iter_000002"
         assert common.load_checkpoint(checkpoint, params, optimizer, ema) == 12.5
         loaded = full_state(params, optimizer, ema)

@@ -291,6 +291,17 @@ def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, 
     assert message in capsys.readouterr().err and not (tmp_path / "eval").exists()
 
 
+def test_trainable_tensors_that_do_not_fit_name_the_first_that_differs(tmp_path):
+    a = tmp_path / "a"
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    saved = params_of(a, 1)
+    wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
+    with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):
+        common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, None, None)
+    with pytest.raises(common.UsageError, match=f"holds {len(saved)} trainable tensors and this model 1"):
+        common.load_checkpoint(a / "checkpoints" / "iter_000001", saved[:1], None, None)
+
+
 # ---- signals ----
 def wait_for_lines(run_dir, n, proc, timeout=120):
     deadline = time.time() + timeout
