@@ -1430,18 +1430,15 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 # 6. Logging and checkpoints
 # =============================================================================================
 class Logger:
-    """One JSON line per iteration in metrics.jsonl (NaN and inf written as null), one line on stdout, and
-    Weights & Biases when given a `wandb_config` (the run's settings); the main process only.
-
-    A run resumed from iteration `start` rewrites history only once it has new work to show: the first line
-    logged moves the folder's lines from `start` on (and any line that is not valid JSON, such as a line cut
-    short by a kill) to superseded.jsonl and its checkpoints after `start` to checkpoints/superseded-<time>/.
-    A new folder resuming another run's checkpoint starts from that run's lines before `start` (`history`)."""
+    """One JSON line per iteration appended to metrics.jsonl (NaN and inf written as null), one line on stdout, and
+    Weights & Biases when given a `wandb_config` (the run's settings); the main process only. A run folder only
+    grows: its lines and checkpoints are never moved, rewritten or deleted, so a reader takes the last line of each
+    iteration (read_metrics). `start_iteration` and `history` are accepted and not used."""
 
     def __init__(self, run_dir: Path, is_main: bool, start_iteration: int = 0, wandb_config: dict | None = None,
                  history: list[str] | None = None):
-        self.is_main, self.run_dir, self.path = is_main, Path(run_dir), Path(run_dir) / "metrics.jsonl"
-        self.start, self.history, self.first, self.wandb = start_iteration, history or [], True, None
+        self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
+        self.path = self.run_dir / "metrics.jsonl"
         if is_main and wandb_config is not None:
             import wandb
             self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=self.run_dir.name)
@@ -1451,22 +1448,7 @@ class Logger:
             return
         metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
                    for k, v in metrics.items()}
-        line = json.dumps(metrics, allow_nan=False)
-        if self.first:
-            self.first = False
-            kept, moved = [], []
-            for ln in self.path.read_text().splitlines() if self.path.exists() else self.history:
-                it = _iteration(ln)
-                if ln.strip():
-                    (kept if it is not None and it < self.start else moved).append(ln)
-            if moved:
-                with open(self.run_dir / "superseded.jsonl", "a") as f:
-                    f.write("".join(ln + "\n" for ln in moved))
-            supersede_checkpoints(self.run_dir, self.start)
-            write_atomic(self.path, "".join(ln + "\n" for ln in [*kept, line]))
-        else:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+        append_line(self.path, metrics)
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "skipped_steps", "time_s"]
         from tqdm import tqdm
         tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
@@ -1475,13 +1457,29 @@ class Logger:
             self.wandb.log(metrics, step=metrics["iteration"])
 
 
-def _iteration(line: str) -> int | None:
-    """The iteration of a metrics.jsonl line, None if the line is not a JSON object with one."""
-    try:
-        value = json.loads(line).get("iteration")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+def append_line(path: Path, record: dict):
+    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline."""
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(json.dumps(record, allow_nan=False).encode() + b"\n")
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run's metrics.jsonl, one line per iteration in iteration order: the last one logged for it (a resumed run
+    logs again from its checkpoint's iteration). Lines without an iteration (resume markers) or that are not JSON
+    (cut short by a kill) are skipped."""
+    last = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(m, dict) and isinstance(m.get("iteration"), int):
+            last[m["iteration"]] = m
+    return [last[i] for i in sorted(last)]
 
 
 def write_atomic(path: Path, text: str):
@@ -1523,8 +1521,8 @@ def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: li
 
 @dataclasses.dataclass
 class Run:
-    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start), its iteration,
-    and the metrics lines a new folder starts from when it continues another run's checkpoint."""
+    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start) and its iteration.
+    `history` is always empty and not used."""
     dir: Path
     checkpoint: Path | None = None
     start: int = 0
@@ -1533,15 +1531,18 @@ class Run:
 
 def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:
     """Decides the run folder and the checkpoint to resume, before any model loads, and claims the folder
-    (rank 0 decides, every rank gets the answer or the same UsageError):
+    (rank 0 decides, every rank gets the answer or the same UsageError). A run folder only grows: nothing in it is
+    moved, rewritten or deleted, so a run continues in place only from its newest checkpoint.
       - a fresh run takes a new folder: --output-dir, or runs/<trainer>-<model>-<time>-<random> by default;
         a folder that already holds a run is refused;
-      - --resume <run or checkpoint folder> continues in --output-dir (default: the checkpoint's own run folder),
-        which must be that run's folder or hold no run; the checkpoint must match `meta` (trainer, model, LoRA
-        rank and alpha, EMA);
+      - --resume <run or checkpoint folder> continues in --output-dir (default: the checkpoint's own run folder);
+        a folder that holds a run is accepted only if this is its newest checkpoint (an older one, or another
+        run's, needs a new or empty --output-dir); the checkpoint must match `meta` (trainer, model, LoRA rank
+        and alpha, EMA, FSDP);
       - --resume auto continues the newest complete checkpoint in --output-dir, or starts fresh there.
-    The folder must be writable; stale temporary checkpoint folders are removed; args.json gets `config` (an
-    earlier, different one is kept in args_history.jsonl)."""
+    The folder must be writable; temporary folders left by a killed checkpoint write are removed. The first start
+    writes args.json (`config`); every later one, and a new folder continuing a checkpoint, appends a marker line
+    to metrics.jsonl: {"resumed": {"from_iteration", "checkpoint", "args"}}."""
     run = None
     if rt.is_main:
         try:
@@ -1563,8 +1564,7 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
         checkpoint = newest_checkpoint(Path(output_dir))
     elif resume:
         checkpoint = find_checkpoint(resume)
-    in_run = checkpoint is not None and checkpoint.parent.name == "checkpoints"
-    source = checkpoint.parent.parent if in_run else None     # the run folder the checkpoint belongs to
+    source = checkpoint.parent.parent if checkpoint is not None and checkpoint.parent.name == "checkpoints" else None
     if output_dir is not None:
         run_dir = Path(output_dir)
     elif source is not None:
@@ -1578,19 +1578,21 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
                 break
             except FileExistsError:
                 continue
-    holds_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir()
-    own_folder = source is not None and source.resolve() == run_dir.resolve()
-    if holds_run and not own_folder and resume != "auto":
-        if checkpoint is None:
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
+        newest = newest_checkpoint(run_dir)
+        if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
                              f"--output-dir")
-        raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in its own folder (leave out "
-                         f"--output-dir) or in an empty --output-dir")
+        if checkpoint is not None and (source is None or source.resolve() != run_dir.resolve()):
+            raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in a new or empty "
+                             f"--output-dir (nothing in {run_dir} is moved or deleted)")
+        if checkpoint is not None and checkpoint.resolve() != newest.resolve():
+            raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
+                             f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
     run = Run(run_dir)
     if checkpoint is not None:
         run.checkpoint, run.start = checkpoint, check_checkpoint(checkpoint, meta)
-        if source is not None and not own_folder and (source / "metrics.jsonl").exists():  # continuing elsewhere
-            run.history = (source / "metrics.jsonl").read_text().splitlines()
+        _training_state(checkpoint, mmap=True)  # readable, before the folder gets a marker
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -1601,11 +1603,13 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
             from None
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    args_file, text = run_dir / "args.json", json.dumps(config, indent=2)
-    if args_file.exists() and args_file.read_text() != text:
-        with open(run_dir / "args_history.jsonl", "a") as f:
-            f.write(json.dumps(json.loads(args_file.read_text())) + "\n")
-    write_atomic(args_file, text)
+    args_file = run_dir / "args.json"
+    if checkpoint is not None or args_file.exists():
+        append_line(run_dir / "metrics.jsonl", {"resumed": {
+            "from_iteration": run.start, "checkpoint": str(checkpoint.resolve()) if checkpoint else None,
+            "args": config}})
+    if not args_file.exists():
+        write_atomic(args_file, json.dumps(config, indent=2))
     return run
 
 
@@ -1627,17 +1631,23 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def checkpoint_info(checkpoint: Path) -> dict:
+    """A checkpoint's checkpoint.json; a folder without a readable one is refused."""
+    try:
+        return json.loads((checkpoint / "checkpoint.json").read_text())
+    except (OSError, ValueError):
+        raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or "
+                         f"it is corrupt; pass another checkpoints/iter_* folder") from None
+
+
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint made by another trainer, model, LoRA rank or alpha, or without the EMA this run
-    wants; returns its iteration. A checkpoint without checkpoint.json (written before it existed) is only
-    read for its iteration; its tensors are checked when they load."""
-    info_file = checkpoint / "checkpoint.json"
-    if not info_file.is_file():
-        return _training_state(checkpoint)["iteration"]
-    info = json.loads(info_file.read_text())
+    """Refuses a checkpoint made by another trainer, model, LoRA rank or alpha, or with or without the EMA or FSDP
+    this run does not have; returns its iteration."""
+    info = checkpoint_info(checkpoint)
     for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
                       ("lora_alpha", "--lora-alpha"), ("ema", "--ema"), ("fsdp", "--fsdp")]:
-        theirs, ours = info.get(key), meta.get(key)
+        default = False if key == "fsdp" else None  # a checkpoint.json without "fsdp": trained without it
+        theirs, ours = info.get(key, default), meta.get(key, default)
         if theirs is None or theirs == ours or (key == "lora_alpha" and not meta["lora_rank"]):
             continue
         if key == "trainer":
@@ -1647,26 +1657,11 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
             fix = "drop --ema (its EMA would start from the checkpoint's weights)" if ours else "pass --ema"
             raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} EMA and this "
                              f"run has {'--ema' if ours else '--no-ema'}: {fix}")
-        if key == "fsdp":  # its training state is in per-rank shards, or in one file
+        if key == "fsdp":  # its training state is in torch.distributed.checkpoint's sharded format, or in one file
             raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} --fsdp: "
                              f"{'pass --fsdp' if theirs else 'drop --fsdp'} to resume it")
         raise UsageError(f"checkpoint {checkpoint} has {flag} {theirs}, this run {ours}: pass {flag} {theirs}")
     return info["iteration"]
-
-
-def supersede_checkpoints(run_dir: Path, start: int):
-    """Moves the checkpoints after iteration `start` to checkpoints/superseded-<time>/ and points `latest` at
-    start's checkpoint: a run resumed from an earlier checkpoint continues from there, nothing is deleted."""
-    root = Path(run_dir) / "checkpoints"
-    later = [p for p in root.glob("iter_*") if int(p.name.removeprefix("iter_")) > start]
-    if not later:
-        return
-    aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    aside.mkdir()
-    for p in later:
-        os.replace(p, aside / p.name)
-    if (root / f"iter_{start:06d}").is_dir():
-        write_atomic(root / "latest", f"iter_{start:06d}")
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
@@ -1676,103 +1671,83 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
       - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
         or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
         on, these hold the EMA weights;
-      - training_state.pt: the exact trainable parameters, optimizer, EMA, iteration and elapsed seconds;
-      - checkpoint.json: `meta` (trainer, model, LoRA, EMA) and the iteration, which --resume checks.
-    Under --fsdp every rank also writes its shards of the training state (shards/rank_NNNNN.pt: restored under
-    the same number of ranks) and the full transformer is gathered to rank 0, which writes it.
-    A checkpoint of this iteration that already exists is kept (the state is the same). Weights that are not
-    finite on any rank are never written: the run stops instead. Every rank calls it; rank 0 writes, all wait."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    final = ckpt_root / f"iter_{iteration:06d}"
+      - training_state.pt: the iteration, the elapsed seconds and, without --fsdp, the exact trainable parameters,
+        optimizer and EMA;
+      - checkpoint.json: `meta` (trainer, model, LoRA, EMA, FSDP) and the iteration, which --resume checks.
+    Under --fsdp every rank writes its shards of the parameters, their AdamW state and the EMA to sharded/
+    (torch.distributed.checkpoint's format, which loads under any number of ranks) and the full transformer is
+    gathered to rank 0; otherwise rank 0 writes it all. A checkpoint of this iteration that already exists is kept
+    (the state is the same). Weights that are not finite on any rank are never written: the run stops instead, as
+    it does when any rank fails to write. Every rank calls it; all return once it is in place."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
-    if any(hasattr(q, "to_local") for q in params):
-        _write_sharded_checkpoint(final, iteration, elapsed, meta, adapter, params, optimizer, ema, rt)
-    elif rt.is_main:
-        _write_checkpoint(final, iteration, elapsed, meta, adapter, params, lora, optimizer, ema)
+    if broadcast_object(final.is_dir()):
+        return final
+    sharded = any(hasattr(q, "to_local") for q in params)
+    tmp, error = None, None
+    try:
+        if rt.is_main:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+        tmp = broadcast_object(tmp)
+        state = {"iteration": iteration, "elapsed": elapsed}
+        if sharded:
+            state["stepped"] = bool(optimizer.state)  # before the first optimizer step there is no AdamW state
+            dcp.save(_sharded_state(params, optimizer if state["stepped"] else None, ema),
+                     checkpoint_id=tmp / "sharded")
+        elif rt.is_main:
+            state.update(params=[p.detach().cpu() for p in params], optimizer=optimizer.state_dict(),
+                         ema=ema.state_dict() if ema else None)
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+            if sharded:  # collective: rank 0 gets the whole transformer
+                weights = get_model_state_dict(adapter.transformer,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rt.is_main and lora:
+                from peft.utils import get_peft_model_state_dict
+                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
+            elif rt.is_main and sharded:
+                _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
+            elif rt.is_main:
+                adapter.transformer.save_pretrained(tmp / "transformer")
+        if rt.is_main:
+            torch.save(state, tmp / "training_state.pt")
+            (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        error = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([float(error is None)], device=rt.device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        if rt.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {final.parent} "
+                              f"({error or 'on another rank'}); free disk space or pass another --output-dir and "
+                              f"--resume the last checkpoint there")
+    if rt.is_main:
+        os.replace(tmp, final)
+        write_atomic(final.parent / "latest", final.name)
     barrier()
     return final
 
 
-def _write_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list, lora: bool,
-                      optimizer, ema: EMA | None):
-    ckpt_root = final.parent
-    if final.is_dir():  # `latest` is left alone: a resumed run moves it once it has new work (Logger)
-        return
-    tmp = None
-    try:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-            if lora:
-                from peft.utils import get_peft_model_state_dict
-                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
-            else:
-                adapter.transformer.save_pretrained(tmp / "transformer")
-        torch.save({"iteration": iteration, "params": [p.detach().cpu() for p in params],
-                    "optimizer": optimizer.state_dict(), "ema": ema.state_dict() if ema else None,
-                    "elapsed": elapsed}, tmp / "training_state.pt")
-        (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
-        os.replace(tmp, final)
-        write_atomic(ckpt_root / "latest", final.name)
-    except (OSError, RuntimeError) as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {ckpt_root} "
-                              f"({type(e).__name__}: {e}); free disk space or pass another --output-dir and "
-                              f"--resume the last checkpoint there") from None
-
-
-def _write_sharded_checkpoint(final: Path, iteration: int, elapsed: float, meta: dict, adapter, params: list,
-                              optimizer, ema: EMA | None, rt: Runtime):
-    """save_checkpoint under --fsdp: the same folder, written by every rank (see there)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    ckpt_root = final.parent
-    if broadcast_object(final.is_dir()):
-        return
-    tmp = None
-    try:
-        if rt.is_main:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=ckpt_root, prefix=".tmp-"))
-        tmp = broadcast_object(tmp)
-        shard = {"params": [local(q.detach()).cpu() for q in params], "optimizer": _local_tree(optimizer.state_dict()),
-                 "ema": _local_tree(ema.state_dict()) if ema else None, "world_size": rt.world_size}
-        (tmp / "shards").mkdir(exist_ok=True)
-        torch.save(shard, tmp / "shards" / f"rank_{rt.rank:05d}.pt")
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():  # collective: rank 0 gets it all
-            weights = get_model_state_dict(adapter.transformer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rt.is_main:
-            _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
-            torch.save({"iteration": iteration, "params": [], "fsdp_world_size": rt.world_size, "optimizer": None,
-                        "ema": None, "elapsed": elapsed}, tmp / "training_state.pt")
-            (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
-        ok = 1.0
-    except (OSError, RuntimeError) as e:
-        ok, error = 0.0, f"{type(e).__name__}: {e}"
-    flags = torch.tensor([ok], device=rt.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    if flags.item() < 1:
-        if rt.is_main and tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {ckpt_root} "
-                              f"({error if ok < 1 else 'on another rank'}); free disk space or pass another "
-                              f"--output-dir and --resume the last checkpoint there")
-    barrier()  # every shard is written
-    if rt.is_main:
-        os.replace(tmp, final)
-        write_atomic(ckpt_root / "latest", final.name)
-
-
-def _local_tree(obj):
-    """A state dict with every DTensor replaced by this rank's shard (a plain tensor, on the CPU)."""
-    if isinstance(obj, dict):
-        return {k: _local_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_local_tree(v) for v in obj)
-    return local(obj).detach().cpu() if isinstance(obj, torch.Tensor) else obj
+def _sharded_state(params: list, optimizer, ema: EMA | None) -> dict:
+    """The training state under --fsdp as torch.distributed.checkpoint saves and loads it in place: the
+    parameters, their AdamW state unless `optimizer` is None (DTensor shards keyed by the parameter's position; a
+    fresh optimizer gets zero state made first, to be loaded into) and the EMA's shadow shards. dcp.load
+    reshards them to this run's ranks."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    holder = torch.nn.ParameterList(params)
+    state = {"params": get_model_state_dict(holder)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
+    if ema is not None:
+        state["ema"] = {"shadow": {str(i): s for i, s in enumerate(ema.shadow)},
+                        "num_updates": torch.tensor(ema.num_updates)}
+    return state
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
@@ -1787,22 +1762,24 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
-def _training_state(checkpoint: Path) -> dict:
+def _training_state(checkpoint: Path, mmap: bool = False) -> dict:
+    """training_state.pt (with `mmap`, its tensors are read only when used); an unreadable one is refused."""
     try:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
-        state["params"], state["iteration"]
+        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False, mmap=mmap)
+        state["iteration"]
     except Exception as e:
         raise UsageError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                         f"incomplete: resume from an earlier checkpoints/iter_* folder or start a new run") from None
+                         f"incomplete: resume from an earlier checkpoints/iter_* folder in a new --output-dir, or "
+                         f"start a new run") from None
     return state
 
 
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
     """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
     state = _training_state(checkpoint)
-    if "fsdp_world_size" in state or any(hasattr(q, "to_local") for q in params):
-        _load_shards(checkpoint, state, params, optimizer, ema)
-        return state.get("elapsed", 0.0)
+    if any(hasattr(q, "to_local") for q in params):
+        _load_sharded(checkpoint, params, optimizer if state["stepped"] else None, ema)
+        return state["elapsed"]
     saved = state["params"]
     if len(saved) != len(params):
         raise UsageError(f"checkpoint {checkpoint} holds {len(saved)} trainable tensors and this model {len(params)}: "
@@ -1818,40 +1795,20 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     optimizer.load_state_dict(state["optimizer"])
     if ema is not None and state.get("ema"):
         ema.load_state_dict(state["ema"])
-    return state.get("elapsed", 0.0)
+    return state["elapsed"]
 
 
-def _load_shards(checkpoint: Path, state: dict, params: list, optimizer, ema: EMA | None):
-    """load_checkpoint under --fsdp: this rank's shards, into the sharded parameters, AdamW state and EMA."""
-    from torch.distributed.tensor import DTensor
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    sharded = any(hasattr(q, "to_local") for q in params)
-    if "fsdp_world_size" not in state or not sharded or state["fsdp_world_size"] != world:
-        if "fsdp_world_size" in state:
-            raise UsageError(f"checkpoint {checkpoint} was trained with --fsdp on {state['fsdp_world_size']} ranks: "
-                             f"resume it with --fsdp under torchrun with {state['fsdp_world_size']} processes")
-        raise UsageError(f"checkpoint {checkpoint} was trained without --fsdp: resume it without --fsdp")
-    shard = torch.load(checkpoint / "shards" / f"rank_{dist.get_rank():05d}.pt", map_location="cpu",
-                       weights_only=False)
-
-    def dtensor_like(saved, like):
-        return DTensor.from_local(saved.to(like.device), like.device_mesh, like.placements, shape=like.shape,
-                                  stride=like.stride())
-    with torch.no_grad():
-        for q, saved in zip(params, shard["params"], strict=True):
-            local(q).copy_(saved)
-    optim = shard["optimizer"]
-    for index, values in optim["state"].items():  # one parameter group: state i belongs to params[i]
-        like = params[index]
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.shape == local(like).shape and key != "step":
-                values[key] = dtensor_like(value, like)
-    optimizer.load_state_dict(optim)
-    if ema is not None and shard.get("ema"):
-        with torch.no_grad():
-            for s, saved in zip(ema.shadow, shard["ema"]["shadow"], strict=True):
-                local(s).copy_(saved)
-        ema.num_updates = shard["ema"]["num_updates"]
+def _load_sharded(checkpoint: Path, params: list, optimizer, ema: EMA | None):
+    """load_checkpoint under --fsdp: sharded/ into this rank's shards of the parameters, AdamW state (None: the
+    checkpoint has none, the optimizer stays fresh) and EMA."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    state = _sharded_state(params, optimizer, ema)
+    dcp.load(state, checkpoint_id=checkpoint / "sharded")  # in place: the parameters' and the EMA's shards
+    if optimizer is not None:
+        set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
+    if ema is not None:
+        ema.num_updates = int(state["ema"]["num_updates"])
 
 
 # =============================================================================================
@@ -1968,10 +1925,8 @@ def _evaluate_main(a) -> dict:
             entries.append(("base", None, {}, {}))
             continue
         checkpoint = find_checkpoint(spec, "--checkpoint")
-        info_file, args_file = checkpoint / "checkpoint.json", checkpoint.parent.parent / "args.json"
-        if not info_file.is_file():
-            raise UsageError(f"checkpoint {checkpoint} has no checkpoint.json (written before evaluate existed)")
-        entries.append((spec, checkpoint, json.loads(info_file.read_text()),
+        args_file = checkpoint.parent.parent / "args.json"
+        entries.append((spec, checkpoint, checkpoint_info(checkpoint),
                         json.loads(args_file.read_text()) if args_file.is_file() else {}))
     run = next((config for _, ckpt, _, config in entries if ckpt is not None), {})
     models = {info["model"] for _, ckpt, info, _ in entries if ckpt is not None} | ({a.model} if a.model else set())

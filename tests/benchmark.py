@@ -198,7 +198,8 @@ def start_fork_server():
 
 
 def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], float]:
-    """Runs one trainer in its own process (one thread); returns its metrics.jsonl lines and wall-clock seconds."""
+    """Runs one trainer in its own process (one thread); returns its metrics (common.read_metrics) and wall-clock
+    seconds."""
     argv = ["--output-dir", str(run_dir), "--threads", "1", *argv]
     cmd = [sys.executable, str(ROOT / f"{method}.py"), *argv]
     log = run_dir.with_suffix(".log")
@@ -214,7 +215,8 @@ def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], floa
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent).returncode
     if rc:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); the end of {log}:\n{log.read_text()[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], time.time() - tic
+    import common
+    return common.read_metrics(run_dir), time.time() - tic
 
 
 def run_all(jobs: list[dict], out: Path, n_parallel: int, desc: str, fatal: bool = True) -> list[dict]:

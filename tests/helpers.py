@@ -1,5 +1,4 @@
 """Shared test utilities: run a trainer in-process with small sizes."""
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,8 @@ def run(module, argv: list[str]) -> dict:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl as its readers take it (common.read_metrics): the last line of each iteration, in order."""
+    return common.read_metrics(run_dir)
 
 
 def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_path) -> tuple[list[dict], list[dict]]:
@@ -35,10 +35,10 @@ def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_pa
     return drop(read_metrics(straight)), drop(read_metrics(resumed))
 
 
-def torchrun(script: str, argv: list[str], port: int) -> str:
-    """Runs a trainer as 2 gloo processes under torchrun (one thread each); asserts success, returns stdout."""
+def torchrun(script: str, argv: list[str], port: int, nproc: int = 2) -> str:
+    """Runs a trainer as `nproc` gloo processes under torchrun (one thread each); asserts success, returns stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
            str(ROOT / script), *argv]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

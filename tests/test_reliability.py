@@ -1,6 +1,7 @@
 """Runs that survive what clusters do to them: non-finite numbers, signals, restarts, rewinds, folders shared by
 mistake, full disks and bad input. Each test reproduces a failure the trainers used to have."""
 import ast
+import contextlib
 import importlib
 import json
 import math
@@ -24,10 +25,13 @@ TOY = ["--model", "toy", *SMALL]
 
 
 def strict_lines(run_dir) -> list[dict]:
-    """metrics.jsonl read as strict JSON: a bare NaN or inf fails."""
+    """metrics.jsonl by the readers' rule (read_metrics), every complete line strict JSON: a bare NaN or inf fails."""
     def refuse(name):
         raise ValueError(f"non-JSON constant {name}")
-    return [json.loads(ln, parse_constant=refuse) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):   # a line cut short: the readers skip it
+            json.loads(line, parse_constant=refuse)
+    return read_metrics(run_dir)
 
 
 def params_of(run_dir, iteration):
@@ -131,52 +135,83 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch):
     assert not list(r.glob("checkpoints/iter_*"))
 
 
-# ---- run folders: nothing overwritten, nothing lost ----
-def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_gets_the_history(tmp_path):
+# ---- run folders: a folder only grows ----
+def snapshot(folder) -> dict:
+    """Every file under `folder`: its path and bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def markers(run_dir) -> list[dict]:
+    return [json.loads(ln)["resumed"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if "resumed" in ln]
+
+
+def test_resuming_appends_a_marker_and_changes_nothing_else(tmp_path):
+    r = tmp_path / "r"
+    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
+    before = snapshot(r)
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    after = snapshot(r)
+    new = {k for k in after if k not in before}
+    assert new == {k for k in after if k.startswith("checkpoints/iter_000003/")} | {"eval_000003.png"} and new
+    assert {k: after[k] for k in before if k not in ("metrics.jsonl", "checkpoints/latest")} == \
+        {k: v for k, v in before.items() if k not in ("metrics.jsonl", "checkpoints/latest")}
+    assert after["checkpoints/latest"] == b"iter_000003"
+    grown = after["metrics.jsonl"].removeprefix(before["metrics.jsonl"]).decode().splitlines()
+    assert after["metrics.jsonl"].startswith(before["metrics.jsonl"]) and len(grown) == 3
+    ckpt = r / "checkpoints" / "iter_000002"
+    assert json.loads(grown[0]) == {"resumed": {"from_iteration": 2, "checkpoint": str(ckpt.resolve()),
+                                                "args": json.loads((r / "args.json").read_text()) | {"iterations": 3,
+                                                                                                    "resume": str(r)}}}
+    assert [json.loads(ln)["iteration"] for ln in grown[1:]] == [2, 3]
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    assert read_metrics(r)[2] == json.loads(grown[1])                   # the last line of an iteration counts
+    assert not (r / "args_history.jsonl").exists()
+
+
+def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_starts_its_own_history(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(a)])
     run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(b)])
-    before = {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()}
-    with pytest.raises(common.UsageError, match=re.escape(f"{b} already holds another run")):
+    before, before_a = snapshot(b), snapshot(a)
+    with pytest.raises(common.UsageError, match=re.escape(f"{b} already holds another run: continue ") +
+                       ".*in a new or empty --output-dir \\(nothing in .* is moved or deleted\\)"):
         run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
-    assert {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()} == before
+    assert snapshot(b) == before
     run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
-    assert [m["iteration"] for m in read_metrics(c)] == [0, 1, 2, 3]
-    assert read_metrics(c)[:2] == read_metrics(a)[:2]
+    assert snapshot(a) == before_a
+    assert [m["iteration"] for m in read_metrics(c)] == [2, 3]        # not a's lines: its marker names a's checkpoint
+    assert markers(c) == [{"from_iteration": 2, "checkpoint": str((a / "checkpoints" / "iter_000002").resolve()),
+                           "args": json.loads((c / "args.json").read_text())}]
 
 
-def test_rewinding_keeps_the_later_history(tmp_path, monkeypatch):
-    """Resuming iteration 2 of a run that reached 4 changes nothing until new work is logged: interrupted before
-    that, the folder still resumes at 4. Once the rewound run logs, the later lines and checkpoints move aside."""
-    r = tmp_path / "r"
+def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_the_older_checkpoint(tmp_path):
+    r, elsewhere = tmp_path / "r", tmp_path / "rewound"
     run(flow_grpo, [*TINY, "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
-    metrics, ckpt2 = (r / "metrics.jsonl").read_text(), r / "checkpoints" / "iter_000002"
-
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
-    with monkeypatch.context() as m:
-        m.setattr(common, "sample_prompts", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            run(flow_grpo, [*TINY, "--iterations", "6", "--output-dir", str(r), "--resume", str(ckpt2)])
-    assert (r / "metrics.jsonl").read_text() == metrics
-    assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
-
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(ckpt2)])
-    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
-    superseded = [json.loads(ln) for ln in (r / "superseded.jsonl").read_text().splitlines()]
-    assert [m["iteration"] for m in superseded] == [2, 3, 4]
-    assert [p.name for p in (r / "checkpoints").glob("superseded-*/*")] == ["iter_000004"]
-    assert (r / "checkpoints" / "latest").read_text() == "iter_000003"
+    before, ckpt2 = snapshot(r), r / "checkpoints" / "iter_000002"
+    for out in ([], ["--output-dir", str(r)]):
+        with pytest.raises(common.UsageError, match=re.escape(f"{ckpt2} is older than {r}'s newest checkpoint "
+                                                              f"iter_000004: continue it in a new or empty "
+                                                              f"--output-dir (nothing in {r} is moved or deleted)")):
+            run(flow_grpo, [*TINY, "--iterations", "3", *out, "--resume", str(ckpt2)])
+    assert snapshot(r) == before
+    elsewhere.mkdir()                                                      # empty
+    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(elsewhere), "--resume", str(ckpt2)])
+    assert snapshot(r) == before
+    assert [m["iteration"] for m in read_metrics(elsewhere)] == [2, 3]
+    assert [m["from_iteration"] for m in markers(elsewhere)] == [2]
+    assert (elsewhere / "checkpoints" / "latest").read_text() == "iter_000003"
 
 
-def test_a_cut_last_line_is_moved_aside_and_resume_works(tmp_path):
+def test_a_cut_last_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_path):
     r = tmp_path / "r"
     run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
     with open(r / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 3, "loss": 0.0')                           # a kill mid-write
     run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
-    assert [m["iteration"] for m in strict_lines(r)] == [0, 1, 2, 3]
-    assert '{"iteration": 3, "loss": 0.0' in (r / "superseded.jsonl").read_text()
+    lines = (r / "metrics.jsonl").read_text().splitlines()
+    cut = lines.index('{"iteration": 3, "loss": 0.0')                     # kept, on a line of its own
+    assert "resumed" in json.loads(lines[cut + 1])
+    assert [m["iteration"] for m in strict_lines(r)] == [0, 1, 2, 3] and "eval_reward" in strict_lines(r)[3]
 
 
 def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(tmp_path, monkeypatch):
@@ -241,12 +276,30 @@ def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message,
         run(importlib.import_module(module), [*TINY, "--iterations", "2", "--resume", str(a), *flags])
 
 
-def test_a_checkpoint_without_its_description_names_the_tensor_that_differs(tmp_path):
+def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, capsys):
     a = tmp_path / "a"
     run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
-    (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()     # as written before it existed
+    (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()
+    message = "has no readable checkpoint.json: it is not a checkpoint of these trainers or it is corrupt"
+    with pytest.raises(common.UsageError, match=message):
+        run(flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a)])
+    err = one_error_line(capsys, flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a), "--output-dir",
+                                             str(tmp_path / "b")])
+    assert message in err
+    with pytest.raises(SystemExit):
+        common.evaluate_main(["--checkpoint", str(a), "--output", str(tmp_path / "eval")])
+    assert message in capsys.readouterr().err and not (tmp_path / "eval").exists()
+
+
+def test_trainable_tensors_that_do_not_fit_name_the_first_that_differs(tmp_path):
+    a = tmp_path / "a"
+    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    saved = params_of(a, 1)
+    wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
     with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):
-        run(flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a), "--lora-rank", "8"])
+        common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, None, None)
+    with pytest.raises(common.UsageError, match=f"holds {len(saved)} trainable tensors and this model 1"):
+        common.load_checkpoint(a / "checkpoints" / "iter_000001", saved[:1], None, None)
 
 
 # ---- signals ----
