@@ -16,11 +16,15 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, torchrun
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun
 
 TRAINERS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
-TINY = ["--model", "tiny-flux", *SMALL]
 TOY = ["--model", "toy", *SMALL]
+
+
+def tiny(trainer: str = "flow_grpo") -> list[str]:
+    """A small run of `trainer` on the tiny flux pipeline."""
+    return [*tiny_argv(trainer, "flux"), *SMALL]
 
 
 def strict_lines(run_dir) -> list[dict]:
@@ -108,7 +112,7 @@ def test_a_learning_rate_that_blows_up_stops_the_run_without_saving(tmp_path):
 def test_a_group_of_one_is_refused(trainer, tmp_path):
     module = importlib.import_module(trainer)
     with pytest.raises(common.UsageError, match="--group-size 1 must be at least 2"):
-        run(module, [*TINY, "--group-size", "1", "--output-dir", str(tmp_path / "r")])
+        run(module, [*tiny(trainer), "--group-size", "1", "--output-dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
 
 
@@ -127,20 +131,20 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     r = tmp_path / "r"
     with pytest.raises(common.TrainingStopped, match="not finite and were not saved"):
-        run(flow_grpo, [*TINY, "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
+        run(flow_grpo, [*tiny(), "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
     assert not list(r.glob("checkpoints/iter_*"))
 
 
 # ---- run folders: nothing overwritten, nothing lost ----
 def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_gets_the_history(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(a)])
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(b)])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(b)])
     before = {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()}
     with pytest.raises(common.UsageError, match=re.escape(f"{b} already holds another run")):
-        run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
+        run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
     assert {p.name: p.read_bytes() for p in b.iterdir() if p.is_file()} == before
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
     assert [m["iteration"] for m in read_metrics(c)] == [0, 1, 2, 3]
     assert read_metrics(c)[:2] == read_metrics(a)[:2]
 
@@ -149,7 +153,7 @@ def test_rewinding_keeps_the_later_history(tmp_path, monkeypatch):
     """Resuming iteration 2 of a run that reached 4 changes nothing until new work is logged: interrupted before
     that, the folder still resumes at 4. Once the rewound run logs, the later lines and checkpoints move aside."""
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
     metrics, ckpt2 = (r / "metrics.jsonl").read_text(), r / "checkpoints" / "iter_000002"
 
     def interrupted(*a, **k):
@@ -157,11 +161,11 @@ def test_rewinding_keeps_the_later_history(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(common, "sample_prompts", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            run(flow_grpo, [*TINY, "--iterations", "6", "--output-dir", str(r), "--resume", str(ckpt2)])
+            run(flow_grpo, [*tiny(), "--iterations", "6", "--output-dir", str(r), "--resume", str(ckpt2)])
     assert (r / "metrics.jsonl").read_text() == metrics
     assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
 
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(ckpt2)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(ckpt2)])
     assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
     superseded = [json.loads(ln) for ln in (r / "superseded.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in superseded] == [2, 3, 4]
@@ -171,10 +175,10 @@ def test_rewinding_keeps_the_later_history(tmp_path, monkeypatch):
 
 def test_a_cut_last_line_is_moved_aside_and_resume_works(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r)])
     with open(r / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 3, "loss": 0.0')                           # a kill mid-write
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
     assert [m["iteration"] for m in strict_lines(r)] == [0, 1, 2, 3]
     assert '{"iteration": 3, "loss": 0.0' in (r / "superseded.jsonl").read_text()
 
@@ -185,7 +189,7 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     calls = []
     monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
     stamp = (ckpt / "training_state.pt").stat().st_mtime_ns
@@ -193,19 +197,19 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     assert (ckpt / "training_state.pt").stat().st_mtime_ns == stamp
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
     assert not list((r / "checkpoints").glob(".tmp-*"))
 
 
 def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(r)])
 
     def disk_full(*a, **k):
         raise RuntimeError("basic_ios::clear: iostream error")
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(common.TrainingStopped, match="could not write the checkpoint of iteration 2 .*free disk"):
-        run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
+        run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000001", "latest"]
     assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
 
@@ -220,33 +224,34 @@ def test_default_run_folders_are_unique(tmp_path, monkeypatch):
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", "auto"])
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", "auto"])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r), "--resume", "auto"])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", "auto"])
     assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
     with pytest.raises(common.UsageError, match="--resume auto continues the run in --output-dir"):
-        run(flow_grpo, [*TINY, "--resume", "auto"])
+        run(flow_grpo, [*tiny(), "--resume", "auto"])
 
 
 @pytest.mark.parametrize("module,flags,message", [
     ("v_grpo", [], "was trained by flow_grpo.py, not v_grpo.py: resume it with flow_grpo.py"),
-    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8, this run 16.0: pass --lora-alpha 8"),
+    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8.0, this run 16.0: pass --lora-alpha 8.0"),
     ("flow_grpo", ["--lora-rank", "8", "--lora-alpha", "8"], "has --lora-rank 4, this run 8: pass --lora-rank 4"),
     ("flow_grpo", ["--ema"], "was trained without EMA and this run has --ema"),
-    ("flow_grpo", ["--model", "tiny-sd3"], "has --model tiny-flux, this run tiny-sd3: pass --model tiny-flux"),
+    ("flow_grpo", lambda: tiny_argv("flow_grpo", "sd3"), "has --model flux, this run sd3: pass --model flux"),
 ])
 def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message, tmp_path):
     a = tmp_path / "a"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     with pytest.raises(common.UsageError, match=message):
-        run(importlib.import_module(module), [*TINY, "--iterations", "2", "--resume", str(a), *flags])
+        run(importlib.import_module(module), [*tiny(module), "--iterations", "2", "--resume", str(a),
+                                              *(flags() if callable(flags) else flags)])
 
 
 def test_a_checkpoint_without_its_description_names_the_tensor_that_differs(tmp_path):
     a = tmp_path / "a"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()     # as written before it existed
     with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):
-        run(flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a), "--lora-rank", "8"])
+        run(flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a), "--lora-rank", "8"])
 
 
 # ---- signals ----
