@@ -15,8 +15,7 @@ Sections, in reading order:
   6. Logging and checkpoints, labelled image grids
   7. Evaluation, and scoring a trained model from the command line (`python common.py evaluate`)
   Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
-  Appendix B. Offline pipelines: the published architectures with random weights, full or reduced depth,
-              and tiny ones (tiny-flux, tiny-sd3) with their smoke-run sizes
+  Appendix B. Offline pipelines: the published architectures with random weights, full or reduced depth
 """
 from __future__ import annotations
 
@@ -289,13 +288,8 @@ def field(default, help: str, **kwargs):
 
 def model_overrides(model: str, model_defaults: dict) -> dict:
     """The defaults that replace the Args fields' own (the toy run) for `model`: the trainer's table for flux /
-    sd3; for tiny-flux / tiny-sd3 that table, then the smoke-run sizes TINY_DEFAULTS (Appendix B), then the
-    trainer's "tiny" entry."""
-    family = model.removeprefix("tiny-")
-    out = dict(model_defaults.get(family, {})) if family in ("flux", "sd3") else {}
-    if model.startswith("tiny-"):
-        out.update(TINY_DEFAULTS, **model_defaults.get("tiny", {}))
-    return out
+    sd3, none for toy."""
+    return dict(model_defaults.get(model, {}))
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
@@ -392,7 +386,7 @@ def out_of_time(t0: float, budget: float, device) -> bool:
 #   lora_targets, save_lora(dir, state_dict)
 # flux and sd3 wrap the real diffusers pipelines; the toy adapter is in Appendix A, random-weight pipelines in
 # Appendix B.
-MODELS = ("toy", "tiny-flux", "tiny-sd3", "flux", "sd3")
+MODELS = ("toy", "flux", "sd3")
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
 
 FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -416,17 +410,14 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                      CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    family = name.removeprefix("tiny-")
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}.get(
-        family, (None, None))
+        name, (None, None))
     if cls is None:
         raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
-    if name.startswith("tiny-") and path is None:
-        pipe = build_tiny_flux() if family == "flux" else build_tiny_sd3()
-    elif path and path.startswith("random"):
-        pipe = random_pipeline(family, path, rt.device, rt.dtype)
+    if path and path.startswith("random"):
+        pipe = random_pipeline(name, path, rt.device, rt.dtype)
     else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
-        pipe = cls.from_pretrained(path or HUB_IDS[family], torch_dtype={
+        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
             "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
     kwargs = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
     return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale,
@@ -1877,8 +1868,7 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
 
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
-EVAL_DEFAULTS = {"toy": ("toy", 20), "tiny-flux": ("jpeg", 4), "tiny-sd3": ("jpeg", 4), "flux": ("pickscore", 28),
-                 "sd3": ("pickscore", 40)}  # model -> (reward, ODE steps)
+EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40)}  # -> (reward, ODE steps)
 
 
 def evaluate_main(argv=None) -> dict:
@@ -2327,37 +2317,18 @@ def pretrain_toy(argv=None):
 
 
 # =============================================================================================
-# Appendix B. Offline pipelines: the real classes with random weights, published or tiny sizes
+# Appendix B. Offline pipelines: the real classes with random weights
 # =============================================================================================
-# Every class is the real one; the tokenizers are built in code from an in-memory vocabulary. Tests use these
-# to check the full-scale path without downloads: the published architectures (parameter counts, LoRA targets,
-# one training iteration at real width and reduced depth) and tiny ones (tiny-flux, tiny-sd3) for the rest.
-
-# --model tiny-flux / tiny-sd3 run a trainer's flux / sd3 settings at these smoke-run sizes (`model_overrides`);
-# a trainer adds what its method needs to fit them under the "tiny" key of its MODEL_DEFAULTS.
-TINY_DEFAULTS = {
-    "reward": "jpeg",
-    "iterations": 2,
-    "eval_every": 1,
-    "eval_images": 4,
-    "eval_steps": 4,
-    "resolution": 32,
-    "prompts_per_step": 2,
-    "group_size": 2,
-    "micro_batch": 2,
-    "sample_steps": 4,
-    "lora_rank": 4,
-    "lora_alpha": 8,
-    "ema": False,
-    "gradient_checkpointing": False,
-    "fsdp": False,
-}
-_TINY_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man woman "
-               "person astronaut red blue green yellow black white car house tree flower city street sky night "
-               "sunset beach forest mountain river table high quality detailed riding sitting standing").split()
+# Every class is the real one; the tokenizers are built in code from an in-memory vocabulary, so that
+# --model-path random / random:N builds the published architectures offline, and `build_pipeline` any other
+# size of them from a dict of configs.
+_TOKENIZER_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man "
+                    "woman person astronaut red blue green yellow black white car house tree flower city street "
+                    "sky night sunset beach forest mountain river table high quality detailed riding sitting "
+                    "standing").split()
 
 
-def _tiny_clip_tokenizer(pad_token="<|endoftext|>"):
+def _clip_tokenizer(pad_token="<|endoftext|>"):
     """Byte-level BPE like CLIP's: 256 bytes, the same with </w>, merges making each word above one token,
     then <|startoftext|>, <|endoftext|> last (so the end-of-text id is not 2)."""
     from tokenizers.pre_tokenizers import ByteLevel
@@ -2365,7 +2336,7 @@ def _tiny_clip_tokenizer(pad_token="<|endoftext|>"):
     alphabet = sorted(ByteLevel.alphabet())
     vocab = {s: i for i, s in enumerate(alphabet + [s + "</w>" for s in alphabet])}
     merges = []
-    for word in _TINY_WORDS:  # replay earlier merges by rank, then learn new ones left to right
+    for word in _TOKENIZER_WORDS:  # replay earlier merges by rank, then learn new ones left to right
         pieces = list(word[:-1]) + [word[-1] + "</w>"]
         while len(pieces) > 1:
             ranks = {m: r for r, m in enumerate(merges)}
@@ -2379,12 +2350,12 @@ def _tiny_clip_tokenizer(pad_token="<|endoftext|>"):
     return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=77)
 
 
-def _tiny_t5_tokenizer():
+def _t5_tokenizer():
     """A Unigram vocabulary (<pad> 0, </s> 1, <unk> 2, words, single characters) in T5's tokenizer class."""
     from transformers import T5TokenizerFast
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-"
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -1.0) for w in _TINY_WORDS] + [(c, -5.0) for c in chars]
+    vocab += [("\u2581" + w, -1.0) for w in _TOKENIZER_WORDS] + [(c, -5.0) for c in chars]
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
 
 
@@ -2417,37 +2388,6 @@ PUBLISHED = {
         "vae": dict(VAE_16CH, scaling_factor=1.5305, shift_factor=0.0609),
     },
 }
-# tiny-flux / tiny-sd3: the same structure at a few thousand parameters
-TINY = {
-    "flux": {
-        "transformer": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                            guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
-        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
-                             num_attention_heads=4),
-        "text_encoder_2": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                               relative_attention_max_distance=32, feed_forward_proj="gated-gelu"),
-        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
-                    sample_size=64, scaling_factor=0.3611, shift_factor=0.1159),
-    },
-    "sd3": {
-        "transformer": dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
-                            num_attention_heads=2, joint_attention_dim=96, caption_projection_dim=32,
-                            pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
-                            dual_attention_layers=(0,), qk_norm="rms_norm"),
-        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
-                             num_attention_heads=4),
-        "text_encoder_2": dict(hidden_size=48, intermediate_size=96, projection_dim=48, num_hidden_layers=2,
-                               num_attention_heads=4),
-        "text_encoder_3": dict(d_model=96, d_kv=8, d_ff=192, num_layers=2, num_heads=12,
-                               relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                               feed_forward_proj="gated-gelu"),
-        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
-                    sample_size=64, scaling_factor=1.5305, shift_factor=0.0609),
-    },
-}
-
-
 def reduced(configs: dict, blocks: int) -> dict:
     """`configs` with `blocks` transformer blocks of each kind (SD3: dual attention where the published model has
     it, in its first 13 blocks) and 1-layer text encoders; every width unchanged."""
@@ -2465,20 +2405,21 @@ def reduced(configs: dict, blocks: int) -> dict:
 
 
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
-    """A FluxPipeline / StableDiffusion3Pipeline of the real classes from `configs` (PUBLISHED, TINY or `reduced`
-    ones), random weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes _freeze_pipeline
-    keeps for compute dtype `dtype`. The tokenizers are built in code with a small vocabulary (other words are
-    spelled out in characters); prompts are padded to the maximum length, so sequence lengths are the real ones."""
+    """A FluxPipeline / StableDiffusion3Pipeline of the real classes from `configs` (PUBLISHED, `reduced` ones or
+    any other sizes), random weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes
+    _freeze_pipeline keeps for compute dtype `dtype`. The tokenizers are built in code with a small vocabulary
+    (other words are spelled out in characters); prompts are padded to the maximum length, so sequence lengths are
+    the real ones."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
                            SD3Transformer2DModel, StableDiffusion3Pipeline)
     if family == "flux":
-        toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_t5_tokenizer()}
+        toks = {"text_encoder": _clip_tokenizer(), "text_encoder_2": _t5_tokenizer()}
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                                     max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
         pipe_cls, transformer_cls = FluxPipeline, FluxTransformer2DModel
     else:
-        toks = {"text_encoder": _tiny_clip_tokenizer(), "text_encoder_2": _tiny_clip_tokenizer(pad_token="!"),
-                "text_encoder_3": _tiny_t5_tokenizer()}
+        toks = {"text_encoder": _clip_tokenizer(), "text_encoder_2": _clip_tokenizer(pad_token="!"),
+                "text_encoder_3": _t5_tokenizer()}
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
         pipe_cls, transformer_cls = StableDiffusion3Pipeline, SD3Transformer2DModel
     modules = {}
@@ -2514,16 +2455,6 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
     depth = random_depth(model_path)
     return build_pipeline(family, reduced(PUBLISHED[family], depth) if depth else PUBLISHED[family], device=device,
                           dtype=dtype)
-
-
-def build_tiny_flux(seed: int = 0):
-    """A FluxPipeline with FLUX.1-dev's structure (guidance embedding, CLIP + T5, dynamic-shift scheduler)."""
-    return build_pipeline("flux", TINY["flux"], seed)
-
-
-def build_tiny_sd3(seed: int = 0):
-    """A StableDiffusion3Pipeline with SD3.5-Medium's structure (two CLIPs + T5, qk-norm, dual attention)."""
-    return build_pipeline("sd3", TINY["sd3"], seed)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

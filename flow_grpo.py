@@ -114,7 +114,7 @@ class Args:
 
 
 # Full scale: what differs from the toy defaults above, from [Flow-GRPO App. B.3] and the official configs (beta:
-# reading 2; fewer sampling than evaluation steps: [Flow-GRPO §4, Denoising Reduction]). tiny-* shrink these.
+# reading 2; fewer sampling than evaluation steps: [Flow-GRPO §4, Denoising Reduction]).
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",

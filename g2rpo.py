@@ -148,7 +148,6 @@ class Args:
 
 # Full scale: what differs from the toy defaults above, from the paper and its official scripts (FLUX: full
 # fine-tuning with FSDP2; SD3: LoRA; reading 9).
-# tiny-* shrink these.
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -184,9 +183,6 @@ MODEL_DEFAULTS = {
         "lr": 2e-6,
         "sample_steps": 16,
         "grid_shift": 3.0,
-    },
-    "tiny": {  # smoke runs train a LoRA (common.TINY_DEFAULTS): the LoRA lr of reading 9, not full FLUX's 2e-6
-        "lr": 1e-4,
     },
 }
 

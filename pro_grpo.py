@@ -157,7 +157,7 @@ class Args:
 
 
 # Full scale: what differs from the toy defaults above: the paper's Standard funnel 48 -> 24 -> 12 on Flow-GRPO's
-# settings (FLUX's checkpoints: reading 8). tiny-* shrink these, with a funnel that fits.
+# settings (FLUX's checkpoints: reading 8).
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -202,12 +202,6 @@ MODEL_DEFAULTS = {
         "funnel": "24,12",
         "checkpoints": "3,4",
         "baseline_group": 24,
-    },
-    "tiny": {
-        "group_size": 4,
-        "funnel": "3,2",
-        "checkpoints": "1,2",
-        "baseline_group": 2,
     },
 }
 

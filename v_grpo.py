@@ -152,7 +152,6 @@ class Args:
 
 
 # Full scale: what differs from the toy defaults above, from the paper where it gives them (else reading 6).
-# tiny-* shrink these.
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -192,9 +191,6 @@ MODEL_DEFAULTS = {
         "lr": 3e-4,
         "sample_steps": 16,
         "reward_norm": "per-reward",      # MixGRPO's protocol: per-reward advantages, summed
-    },
-    "tiny": {
-        "mc_pairs": 2,
     },
 }
 

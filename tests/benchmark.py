@@ -17,11 +17,11 @@ full scale. One command runs three phases:
          `toy-soft`. Each run trains for --final-budget training seconds, evaluated about --evals times along
          the way (the interval from the method's seconds per iteration in the sweep).
   costs  Each trainer's work per iteration at its full-scale FLUX settings (its MODEL_DEFAULTS["flux"] group
-         size, funnel, steps, strides, pairs, ...), counted on `--model tiny-flux`: the real FLUX pipeline
-         classes at tiny size with random weights, whose rewards mean nothing but whose counts are those of the
-         full-size settings. 2 prompts per iteration, reported per prompt, per sample (per prompt / group size;
-         Pro-GRPO's group is the trajectories started) and per the paper's iteration (its prompts per iteration),
-         next to the papers' own cost claims.
+         size, funnel, steps, strides, pairs, ...), counted on the tiny FLUX pipeline (tests/helpers.py): the
+         real FLUX pipeline classes at tiny size with random weights, whose rewards mean nothing but whose counts
+         are those of the full-size settings. 2 prompts per iteration, reported per prompt, per sample (per prompt /
+         group size; Pro-GRPO's group is the trajectories started) and per the paper's iteration (its prompts per
+         iteration), next to the papers' own cost claims.
 
 Every run is its own process on one CPU thread, --jobs at a time, forked from a server that has done the imports
 once (--no-fork: a new interpreter each, ~6 s more a run). Training seconds are the trainers' time_s
@@ -87,7 +87,7 @@ FWD_BWD = 3                                                # a forward+backward,
 # --quick: tiny sizes that every trainer accepts (Pro-GRPO's funnel has to fit in its group)
 QUICK_SIZES = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4"]
 QUICK_EXTRA = {"pro_grpo": ["--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"]}
-# The settings of TINY_DEFAULTS / a trainer's "tiny" entry that the cost runs put back to the FLUX values: those
+# The smoke-run settings (helpers.SMOKE, TRAINER_SMOKE) that the cost runs put back to the FLUX values: those
 # that decide the work per prompt. Prompts, resolution, LoRA, lr and the rest change no count (or only scale it).
 NOT_STRUCTURE = {"reward", "iterations", "eval_every", "eval_images", "eval_steps", "resolution", "prompts_per_step",
                  "lora_rank", "lora_alpha", "ema", "gradient_checkpointing", "fsdp", "lr"}
@@ -146,16 +146,16 @@ def config_str(config: dict) -> str:
 
 
 def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
-    """The cost run's argv: tiny-flux, with the FLUX value of every work-deciding setting that the tiny sizes
-    replace; those settings (and G2RPO's strides) for the report; the paper's prompts per iteration (to scale a
-    prompt's counts to its iteration)."""
-    import common
+    """The cost run's argv: the tiny FLUX pipeline at smoke-run sizes, with the FLUX value of every work-deciding
+    setting that those sizes replace; those settings (and G2RPO's strides) for the report; the paper's prompts per
+    iteration (to scale a prompt's counts to its iteration)."""
+    import helpers
     args, model_defaults = trainer(method)
     flux = model_defaults["flux"]
-    shrunk = (set(common.TINY_DEFAULTS) | set(model_defaults.get("tiny", {}))) - NOT_STRUCTURE
+    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE[method])) - NOT_STRUCTURE
     restored = {k: flux.get(k, args[k]) for k in sorted(shrunk) if k in args and flux.get(k, args[k]) is not None}
-    argv = ["--model", "tiny-flux", "--prompts-per-step", str(prompts)]
-    argv += [a for k, v in restored.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    argv = [*helpers.tiny_argv(method, "flux", drop=("prompts_per_step", *restored)),
+            "--prompts-per-step", str(prompts), *helpers.flags(restored)]
     shown = {**restored, **{k: flux.get(k, args[k]) for k in ("granularities",) if k in args}}
     return argv, shown, {"prompts_per_step": flux.get("prompts_per_step", args["prompts_per_step"])}
 
@@ -669,11 +669,12 @@ def main(argv=None):
                      for reward in rewards for m in methods for s in seeds], out, a.jobs, "final")
 
     # 3. costs at full-scale FLUX settings on tiny-flux (in --quick, the trainers' own tiny-flux smoke sizes)
+    import helpers
     cost_jobs = []
     for m in methods:
         argv_m, shown, paper = cost_setting(m, a.cost_prompts)
         if a.quick:
-            argv_m, shown = ["--model", "tiny-flux"], {}
+            argv_m, shown = helpers.tiny_argv(m, "flux"), {}
         cost_jobs.append(job("costs", m, None, None, None, [*argv_m, "--iterations", str(a.cost_iterations),
                                                            "--eval-every", "0"], paper=paper, settings=shown))
     runs += run_all(cost_jobs, out, a.jobs, "costs")

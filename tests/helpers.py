@@ -1,12 +1,118 @@
-"""Shared test utilities: run a trainer in-process with small sizes."""
+"""Shared test utilities: tiny diffusers pipelines loaded like a saved model, run a trainer in-process with small
+sizes."""
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import common
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# FLUX.1-dev's and SD3.5-Medium's structure (guidance embedding, CLIP + T5, dynamic shift; two CLIPs + T5, qk-norm,
+# dual attention) at a few thousand parameters, for common.build_pipeline.
+TINY_CONFIGS = {
+    "flux": {
+        "transformer": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                            guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+                             num_attention_heads=4),
+        "text_encoder_2": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                               relative_attention_max_distance=32, feed_forward_proj="gated-gelu"),
+        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+                    sample_size=64, scaling_factor=0.3611, shift_factor=0.1159),
+    },
+    "sd3": {
+        "transformer": dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=96, caption_projection_dim=32,
+                            pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
+                            dual_attention_layers=(0,), qk_norm="rms_norm"),
+        "text_encoder": dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+                             num_attention_heads=4),
+        "text_encoder_2": dict(hidden_size=48, intermediate_size=96, projection_dim=48, num_hidden_layers=2,
+                               num_attention_heads=4),
+        "text_encoder_3": dict(d_model=96, d_kv=8, d_ff=192, num_layers=2, num_heads=12,
+                               relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                               feed_forward_proj="gated-gelu"),
+        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
+                    sample_size=64, scaling_factor=1.5305, shift_factor=0.0609),
+    },
+}
+
+# The smoke-run sizes of a run on a tiny pipeline, set over the trainer's flux / sd3 table (`tiny_argv`).
+SMOKE = {
+    "reward": "jpeg",
+    "iterations": 2,
+    "eval_every": 1,
+    "eval_images": 4,
+    "eval_steps": 4,
+    "resolution": 32,
+    "prompts_per_step": 2,
+    "group_size": 2,
+    "micro_batch": 2,
+    "sample_steps": 4,
+    "lora_rank": 4,
+    "lora_alpha": 8,
+    "ema": False,
+    "gradient_checkpointing": False,
+    "fsdp": False,
+}
+# What a trainer's method needs on top of SMOKE to fit it: Pro-GRPO a funnel and checkpoints within 4 samples and
+# 4 steps; G2RPO the LoRA learning rate of its SD3 recipe (the smoke runs train a LoRA, not full FLUX); V-GRPO two
+# Monte Carlo pairs.
+TRAINER_SMOKE = {
+    "flow_grpo": {},
+    "pro_grpo": {"group_size": 4, "funnel": "3,2", "checkpoints": "1,2", "baseline_group": 2},
+    "g2rpo": {"lr": 1e-4},
+    "v_grpo": {"mc_pairs": 2},
+}
+_PIPELINES = {}
+
+
+def tiny_pipeline(family: str) -> str:
+    """The folder of the tiny `family` ("flux" or "sd3") pipeline, random weights from seed 0: built and saved with
+    save_pretrained on first use in this process, removed when this process exits (not a forked child). Runs,
+    torchrun workers too, read it with --model-path, as a user's saved model."""
+    if family not in _PIPELINES:
+        folder = tempfile.mkdtemp(prefix=f"tiny-{family}-")
+        atexit.register(_remove_in, os.getpid(), folder)
+        common.build_pipeline(family, TINY_CONFIGS[family], seed=0).save_pretrained(folder)
+        _PIPELINES[family] = folder
+    return _PIPELINES[family]
+
+
+def _remove_in(pid: int, folder: str):
+    if os.getpid() == pid:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def flags(values: dict) -> list[str]:
+    """The command-line flags that set each field in `values` (booleans as --name / --no-name)."""
+    out = []
+    for key, value in values.items():
+        name = "--" + key.replace("_", "-")
+        out += [name if value else "--no-" + name[2:]] if isinstance(value, bool) else [name, str(value)]
+    return out
+
+
+def tiny_argv(trainer: str, family: str, drop: tuple[str, ...] = ()) -> list[str]:
+    """The argv of a smoke run of `trainer` (a module name, e.g. "flow_grpo") on the tiny `family` pipeline:
+    --model family --model-path <tiny_pipeline>, then every key of SMOKE and TRAINER_SMOKE[trainer] set explicitly
+    over the trainer's family table, except the keys in `drop` (those keep the table's value, else the toy one)."""
+    values = {**SMOKE, **TRAINER_SMOKE[trainer]}
+    unknown = set(drop) - set(values)
+    assert not unknown, f"tiny_argv: {sorted(unknown)} are not smoke-run settings"
+    return ["--model", family, "--model-path", tiny_pipeline(family),
+            *flags({k: v for k, v in values.items() if k not in drop})]
+
+
+def model_argv(trainer: str, model: str) -> list[str]:
+    """--model toy, or a smoke run on the tiny flux / sd3 pipeline (`tiny_argv`)."""
+    return ["--model", "toy"] if model == "toy" else tiny_argv(trainer, model)
 
 # Small sizes for fast in-process runs of any trainer on any model.
 SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",

@@ -14,7 +14,7 @@ from PIL import Image
 
 import benchmark
 from benchmark import METHODS
-from helpers import ROOT, read_metrics
+from helpers import ROOT, read_metrics, tiny_pipeline
 
 
 def tables_of(stdout: str) -> list[str]:
@@ -168,7 +168,7 @@ def test_sweep_choice_ties_go_to_the_default_and_failures_lose():
 
 
 def test_cost_runs_use_the_papers_flux_group_sizes():
-    """The tiny-flux cost runs put back the FLUX values that the smoke-run sizes replace."""
+    """The cost runs on the tiny FLUX pipeline put back the FLUX values that the smoke-run sizes replace."""
     want = {"flow_grpo": {"group_size": 24, "sample_steps": 6},
             "pro_grpo": {"group_size": 48, "funnel": "24,12", "checkpoints": "3,4", "sample_steps": 6},
             "g2rpo": {"group_size": 12, "sample_steps": 16, "granularities": "1,2,3"},
@@ -176,9 +176,10 @@ def test_cost_runs_use_the_papers_flux_group_sizes():
     papers = {"flow_grpo": 48, "pro_grpo": 48, "g2rpo": 16, "v_grpo": 32}
     for m, settings in want.items():
         argv, shown, paper = benchmark.cost_setting(m, 2)
-        assert argv[:4] == ["--model", "tiny-flux", "--prompts-per-step", "2"]
+        assert argv[:4] == ["--model", "flux", "--model-path", tiny_pipeline("flux")]
         assert paper["prompts_per_step"] == papers[m]
         assert shown.items() >= settings.items(), (m, shown)
-        for k, v in shown.items():
+        for k, v in {**shown, "prompts_per_step": 2}.items():
             if k != "granularities":                                # the Args default, not shrunk: not passed
-                assert argv[argv.index("--" + k.replace("_", "-")) + 1] == str(v)
+                flag = "--" + k.replace("_", "-")
+                assert argv.count(flag) == 1 and argv[argv.index(flag) + 1] == str(v), (m, k)

@@ -12,7 +12,7 @@ from PIL import Image
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv
 
 # the toy reward is a multiple of 1/(2n): a continuous second reward tells base and trained weights apart
 TOY = ["--reward", "toy,jpeg:0.01", "--iterations", "2", "--lr", "3e-3", "--eval-images", "12", *SMALL[:8],
@@ -69,7 +69,7 @@ def test_standard_errors_by_hand(toy_run, tmp_path, monkeypatch):
 
 def test_a_lora_checkpoint_with_ema_on_a_tiny_pipeline(tmp_path):
     out = tmp_path / "run"
-    run(flow_grpo, ["--model", "tiny-sd3", "--ema", "--iterations", "4", "--lr", "0.05", *SMALL,
+    run(flow_grpo, [*tiny_argv("flow_grpo", "sd3"), "--ema", "--iterations", "4", "--lr", "0.05", *SMALL,
                     "--updates-per-rollout", "2",
                     "--output-dir", str(out)])
     results = common.evaluate_main(["--checkpoint", str(out), "--output", str(tmp_path / "eval"), "--threads", "1"])
@@ -96,7 +96,7 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys)
     for argv, message in [
         (["--threads", "1"], "pass --model for the base model"),
         (["--checkpoint", str(tmp_path)], "no checkpoint there"),
-        (["--checkpoint", str(toy_run), "--model", "tiny-sd3"], "different models"),
+        (["--checkpoint", str(toy_run), "--model", "sd3"], "different models"),
         (["--checkpoint", str(toy_run), "--output", str(tmp_path / "full")], "is not empty"),
         (["--checkpoint", str(toy_run), "--reward", "nope"], "unknown or repeated reward 'nope'"),
     ]:

@@ -6,12 +6,12 @@ import torch
 
 import common
 import flow_grpo
-from helpers import SMALL, read_metrics, run, straight_and_resumed, torchrun
+from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv, tiny_pipeline, torchrun
 
 
-@pytest.mark.parametrize("model", ["toy", "tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("model", ["toy", "flux", "sd3"])
 def test_two_iterations_run_with_finite_loss(model, tmp_path):
-    run(flow_grpo, ["--model", model, "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL])
+    run(flow_grpo, [*model_argv("flow_grpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
     for m in lines[:2]:
@@ -23,13 +23,13 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
 
 
-@pytest.mark.parametrize("model,extra", [("toy", []), ("tiny-sd3", ["--beta", "0.01"]),
-                                         ("tiny-flux", ["--beta", "0.01"])])
+@pytest.mark.parametrize("model,extra", [("toy", []), ("sd3", ["--beta", "0.01"]),
+                                         ("flux", ["--beta", "0.01"])])
 def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """Before the first optimizer step the recomputed log-probs equal the rollout's: ratio exactly 1, and
     the KL of the policy to the reference (itself, before any update) exactly 0."""
-    run(flow_grpo, ["--model", model, "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
-                    *SMALL[:-4], *extra])
+    run(flow_grpo, [*model_argv("flow_grpo", model), "--iterations", "1", "--eval-every", "0",
+                    "--output-dir", str(tmp_path / "r"), *SMALL[:-4], *extra])
     m = read_metrics(tmp_path / "r")[0]
     assert m["ratio_dev_first_update"] == 0.0
     assert m["kl_first_update"] == 0.0
@@ -38,7 +38,7 @@ def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
 
 def test_resume_equals_straight_run(tmp_path):
     """2 iterations + --resume to 4 gives the same metrics and weights as 4 straight iterations."""
-    base = ["--model", "tiny-flux", "--seed", "3", *SMALL]
+    base = [*tiny_argv("flow_grpo", "flux"), "--seed", "3", *SMALL]
     a, b = straight_and_resumed(flow_grpo, base, 2, 4, tmp_path)
     assert a == b and len(a) == 5
     sa = torch.load(tmp_path / "straight/checkpoints/iter_000004/training_state.pt", weights_only=False)
@@ -47,9 +47,10 @@ def test_resume_equals_straight_run(tmp_path):
 
 
 def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path):
-    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--eval-every", "0", "--lr", "1e-2",
+    run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "2", "--eval-every", "0", "--lr", "1e-2",
                     "--output-dir", str(tmp_path / "r"), *SMALL[:-4]])
-    pipe = common.build_tiny_flux()
+    from diffusers import FluxPipeline
+    pipe = FluxPipeline.from_pretrained(tiny_pipeline("flux"))
     kw = dict(prompt=["a photo of a cat"], height=32, width=32, num_inference_steps=3, output_type="latent",
               max_sequence_length=512, generator=torch.Generator().manual_seed(0))
     before = pipe(**kw).images
@@ -60,7 +61,7 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path):
 
 
 def test_torchrun_two_ranks_stay_identical(tmp_path):
-    stdout = torchrun("flow_grpo.py", ["--model", "tiny-sd3", "--iterations", "2", "--prompts-per-step", "4",
+    stdout = torchrun("flow_grpo.py", [*tiny_argv("flow_grpo", "sd3"), "--iterations", "2", "--prompts-per-step", "4",
            "--output-dir", str(tmp_path / "r"), *SMALL[2:]], port=29533)
     assert "ranks 2 | prompts/rank B=2" in stdout
     last = read_metrics(tmp_path / "r")[-1]
@@ -68,46 +69,48 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
 
 
 # ---- bad input: one clear message that names the fix ----
-def test_unknown_model(capsys):
+@pytest.mark.parametrize("model", ["sdxl", "tiny-flux"])
+def test_unknown_model(model, capsys):
     with pytest.raises(SystemExit):
-        common.cli(flow_grpo.Args, ["--model", "sdxl"], flow_grpo.MODEL_DEFAULTS)
-    assert "unknown --model 'sdxl'; choose one of toy, tiny-flux" in capsys.readouterr().err
+        common.cli(flow_grpo.Args, ["--model", model], flow_grpo.MODEL_DEFAULTS)
+    assert f"unknown --model '{model}'; choose one of toy, flux, sd3" in capsys.readouterr().err
 
 
 def test_unknown_reward(tmp_path):
     with pytest.raises(ValueError, match="unknown or repeated reward 'aesthetics'.*known rewards: toy, jpeg"):
-        run(flow_grpo, ["--model", "tiny-flux", "--reward", "aesthetics", "--output-dir", str(tmp_path / "r")])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--reward", "aesthetics", "--output-dir", str(tmp_path / "r")])
 
 
 def test_sizes_that_do_not_divide(tmp_path):
     with pytest.raises(ValueError, match="--micro-batch 3 must divide the 4 samples"):
-        run(flow_grpo, ["--model", "tiny-flux", "--micro-batch", "3", "--output-dir", str(tmp_path / "r")])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--micro-batch", "3", "--output-dir", str(tmp_path / "r")])
     with pytest.raises(ValueError, match="--updates-per-rollout 3 must divide"):
-        run(flow_grpo, ["--model", "tiny-flux", "--updates-per-rollout", "3", "--output-dir", str(tmp_path / "r")])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--updates-per-rollout", "3",
+                        "--output-dir", str(tmp_path / "r")])
 
 
 def test_missing_prompt_file(tmp_path):
     with pytest.raises(common.UsageError, match="prompt file 'nope.txt' does not exist: pass --prompts"):
-        run(flow_grpo, ["--model", "tiny-flux", "--prompts", "nope.txt", "--output-dir", str(tmp_path / "r")])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--prompts", "nope.txt", "--output-dir", str(tmp_path / "r")])
 
 
 def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+    run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "1", "--output-dir", str(r), *SMALL])
     state = r / "checkpoints" / "iter_000001" / "training_state.pt"
     state.write_bytes(state.read_bytes()[:100])
     before = (r / "metrics.jsonl").read_text()
     with pytest.raises(common.UsageError, match="is unreadable.*resume from an earlier checkpoints/iter_"):
-        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "2", "--output-dir", str(r), "--resume", str(r),
-                        *SMALL])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "2", "--output-dir", str(r),
+                        "--resume", str(r), *SMALL])
     assert (r / "metrics.jsonl").read_text() == before
 
 
 def test_existing_run_folder_is_not_overwritten(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+    run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "1", "--output-dir", str(r), *SMALL])
     with pytest.raises(common.UsageError, match="already holds a run: pass --resume"):
-        run(flow_grpo, ["--model", "tiny-flux", "--iterations", "1", "--output-dir", str(r), *SMALL])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "1", "--output-dir", str(r), *SMALL])
 
 
 def test_toy_held_out_reward_rises(tmp_path):

@@ -9,13 +9,13 @@ from diffusers import FluxTransformer2DModel
 
 import common
 import flow_grpo
-from helpers import ROOT, read_metrics, run, torchrun
+from helpers import ROOT, read_metrics, run, tiny_argv, tiny_pipeline, torchrun
 
-SIZES = ["--model", "tiny-flux", "--lora-rank", "0", "--lr", "1e-3", "--prompts-per-step", "4", "--eval-images", "8",
-         "--eval-every", "1", "--threads", "1"]
+SIZES = ["--lora-rank", "0", "--lr", "1e-3", "--prompts-per-step", "4", "--eval-images", "8", "--eval-every", "1",
+         "--threads", "1"]
 RUNS = {"flow_grpo": ["--group-size", "4", "--micro-batch", "4", "--sample-steps", "4", "--eval-steps", "4",
                       "--beta", "0.01"],   # a KL term: the frozen reference is sharded too
-        "g2rpo": []}                       # its tiny-flux defaults: groups of 2, 4 steps, strides {1, 2, 3}
+        "g2rpo": []}                       # its smoke-run sizes: groups of 2, 4 steps, strides {1, 2, 3}
 
 
 def without_timings(lines: list[dict]) -> list[dict]:
@@ -32,7 +32,7 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
     """Same global batch, same seeds: the metrics agree to float rounding, and so do the weights (FSDP2
     reduce-scatters the gradients where DDP all-reduces them: the same sums in another order, about 1e-7 apart
     after AdamW)."""
-    argv = [*SIZES, *RUNS[trainer], "--iterations", "2"]
+    argv = [*tiny_argv(trainer, "flux"), *SIZES, *RUNS[trainer], "--iterations", "2"]
     port = 29571 if trainer == "flow_grpo" else 29575
     torchrun(f"{trainer}.py", [*argv, "--output-dir", str(tmp_path / "ddp")], port=port)
     stdout = torchrun(f"{trainer}.py", [*argv, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], port=port + 2)
@@ -50,13 +50,13 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
     wa, wb = transformer_at(tmp_path / "ddp", 2), transformer_at(tmp_path / "fsdp", 2)
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
-    start = common.build_tiny_flux().transformer.state_dict()
+    start = FluxTransformer2DModel.from_pretrained(tiny_pipeline("flux"), subfolder="transformer").state_dict()
     assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3       # and training moved them
     assert (tmp_path / "fsdp" / "checkpoints" / "iter_000002" / "sharded" / ".metadata").is_file()  # DCP's format
 
 
 def test_fsdp_resume_equals_a_straight_run(tmp_path):
-    argv = [*SIZES, *RUNS["flow_grpo"], "--fsdp", "--ema"]   # the EMA is sharded and resumed too
+    argv = [*tiny_argv("flow_grpo", "flux"), *SIZES, *RUNS["flow_grpo"], "--fsdp", "--ema"]  # the EMA is sharded too
     straight, split = tmp_path / "straight", tmp_path / "split"
     torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(straight)], port=29581)
     torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(split)], port=29583)
@@ -134,12 +134,13 @@ def reshard(mode: str, folder):
 
 def test_fsdp_refuses_lora_a_single_process_and_a_mismatched_checkpoint(tmp_path):
     with pytest.raises(common.UsageError, match="--fsdp shards full fine-tuning over torchrun processes"):
-        run(flow_grpo, ["--model", "tiny-flux", "--fsdp", "--output-dir", str(tmp_path / "a")])  # LoRA rank 4
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--fsdp", "--output-dir", str(tmp_path / "a")])  # LoRA rank 4
     with pytest.raises(common.UsageError, match="launch 2\\+ processes"):
-        run(flow_grpo, ["--model", "tiny-flux", "--lora-rank", "0", "--fsdp", "--output-dir", str(tmp_path / "b")])
+        run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--lora-rank", "0", "--fsdp",
+                        "--output-dir", str(tmp_path / "b")])
     ckpt = tmp_path / "c" / "checkpoints" / "iter_000001"
     ckpt.mkdir(parents=True)
-    meta = {"trainer": "flow_grpo", "model": "tiny-flux", "lora_rank": 0, "lora_alpha": 0.0, "ema": False}
+    meta = {"trainer": "flow_grpo", "model": "flux", "lora_rank": 0, "lora_alpha": 0.0, "ema": False}
     (ckpt / "checkpoint.json").write_text(json.dumps({**meta, "fsdp": True, "iteration": 1}))
     with pytest.raises(common.UsageError, match="was trained with --fsdp: pass --fsdp to resume it"):
         common.check_checkpoint(ckpt, {**meta, "fsdp": False})

@@ -15,7 +15,7 @@ import torch
 import common
 import flow_grpo
 import gpu_check
-from helpers import ROOT, run
+from helpers import ROOT, TINY_CONFIGS, run, tiny_pipeline
 
 CPU = torch.device("cpu")
 
@@ -130,7 +130,7 @@ def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
 # ---- full-scale fixes ----
 def test_sd3_passes_the_timestep_to_the_transformer_in_float32():
     """In bf16 the transformer would be asked about t = 912 while the step math uses 913.35."""
-    adapter = common.SD3Adapter(common.build_tiny_sd3(), CPU, torch.bfloat16, 32, 4.5)
+    adapter = common.SD3Adapter(common.build_pipeline("sd3", TINY_CONFIGS["sd3"]), CPU, torch.bfloat16, 32, 4.5)
     seen = []
     adapter.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
     adapter.velocity(adapter.transformer, adapter.noise(1), torch.tensor(0.91335), adapter.encode(["a cat"]))
@@ -142,19 +142,19 @@ def test_sd3_passes_the_timestep_to_the_transformer_in_float32():
 
 def test_sd3_prompts_default_to_128_t5_tokens():
     rt = common.Runtime(0, 1, 0, CPU, torch.float32)
-    adapter = common.load_model("tiny-sd3", rt, resolution=32, guidance_scale=4.5)
+    adapter = common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5)
     assert adapter.encode(["a cat"])["prompt_embeds"].shape[1] == 77 + 128   # CLIP's 77, then T5's 128
-    adapter = common.load_model("tiny-sd3", rt, resolution=32, guidance_scale=4.5, max_sequence_length=64)
+    adapter = common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5,
+                                max_sequence_length=64)
     assert adapter.encode(["a cat"])["prompt_embeds"].shape[1] == 77 + 64
 
 
-def test_fp16_computes_over_float32_transformer_weights(tmp_path):
+def test_fp16_computes_over_float32_transformer_weights():
     """--dtype fp16: text encoders in fp16, the trained transformer in float32 (autocast fp16 on GPU), the VAE in
-    float32; the same from a saved pipeline (from_pretrained reads each in its dtype)."""
+    float32; from a pipeline built in float32 and from a saved one (from_pretrained reads each in its dtype)."""
     rt = common.Runtime(0, 1, 0, CPU, torch.float16)
-    common.build_tiny_sd3().save_pretrained(tmp_path / "pipe")
-    for path in (None, str(tmp_path / "pipe")):
-        adapter = common.load_model("tiny-sd3" if path is None else "sd3", rt, path, resolution=32, guidance_scale=4.5)
+    built = common.SD3Adapter(common.build_pipeline("sd3", TINY_CONFIGS["sd3"]), CPU, torch.float16, 32, 4.5)
+    for adapter in (built, common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5)):
         pipe = adapter.pipe
         assert {p.dtype for p in pipe.transformer.parameters()} == {torch.float32}
         assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}

@@ -8,7 +8,7 @@ import torch
 
 import common
 import g2rpo
-from helpers import SMALL, read_metrics, run, straight_and_resumed
+from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv
 
 
 def fake_velocity(x, t):
@@ -171,13 +171,13 @@ def test_rollout_branches_share_the_anchor_latent_bit_for_bit(tmp_path, monkeypa
 
 @pytest.mark.parametrize("model,cfg,extra", [
     ("toy", 1, ["--beta", "0.01", "--micro-batch", "1"]),  # full fine-tuning: frozen reference; one prompt per forward
-    ("tiny-flux", 1, ["--beta", "0.01"]),                  # LoRA: reference = adapter switched off
-    ("tiny-sd3", 2, []),                                   # CFG: two rows per evaluation; no KL
+    ("flux", 1, ["--beta", "0.01"]),                       # LoRA: reference = adapter switched off
+    ("sd3", 2, []),                                        # CFG: two rows per evaluation; no KL
 ])
 def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra, tmp_path):
     """Two iterations on every model path. Before the first optimizer step of an iteration the ratio is exactly 1
     (and, before any update, the KL to the reference exactly 0); the work split adds up to the hand count."""
-    run(g2rpo, ["--model", model, "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
+    run(g2rpo, [*model_argv("g2rpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
                 "--granularities", "1,2", *extra])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
@@ -202,7 +202,7 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
 
 
 def test_resume_equals_straight_run(tmp_path):
-    base = ["--model", "tiny-flux", "--seed", "3", *SMALL]
+    base = [*tiny_argv("g2rpo", "flux"), "--seed", "3", *SMALL]
     a, b = straight_and_resumed(g2rpo, base, 1, 3, tmp_path)
     assert a == b and len(a) == 4
 
@@ -230,4 +230,4 @@ def test_toy_held_out_reward_rises(tmp_path):
 ])
 def test_bad_input(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        run(g2rpo, ["--model", "tiny-flux", "--output-dir", str(tmp_path / "r"), *flags])
+        run(g2rpo, [*tiny_argv("g2rpo", "flux"), "--output-dir", str(tmp_path / "r"), *flags])

@@ -3,16 +3,17 @@ import pytest
 import torch
 
 import common
+from helpers import TINY_CONFIGS, tiny_pipeline
 
 RT = common.Runtime(0, 1, 0, torch.device("cpu"), torch.float32)
 PROMPTS = ["a photo of a cat", "a red car on a street"]
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3"])
 def test_ode_rollout_reproduces_the_diffusers_pipeline(name):
     """Our sampler at noise level 0 gives the pipeline's own latents from the same noise and prompts."""
-    guidance = 3.5 if name == "tiny-flux" else 4.5
-    adapter = common.load_model(name, RT, resolution=32, guidance_scale=guidance)
+    guidance = 3.5 if name == "flux" else 4.5
+    adapter = common.load_model(name, RT, tiny_pipeline(name), resolution=32, guidance_scale=guidance)
     steps = 5
     x = adapter.noise(len(PROMPTS), torch.Generator().manual_seed(0))
     sigmas = adapter.sigmas(steps)
@@ -41,25 +42,26 @@ def test_toy_adapter_shapes_and_grid():
     assert adapter.decode(x).shape == (2, 3, 16, 16)
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
-def test_real_loader_reads_a_saved_pipeline(name, tmp_path):
-    """--model flux/sd3 load with from_pretrained; the same call reads a tiny pipeline saved to a folder."""
-    adapter = common.load_model(name, RT, resolution=32, guidance_scale=4.0)
-    adapter.pipe.save_pretrained(tmp_path / "pipe")
-    loaded = common.load_model(name.removeprefix("tiny-"), RT, path=str(tmp_path / "pipe"), resolution=32,
-                               guidance_scale=4.0)
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_real_loader_reads_a_saved_pipeline(name):
+    """--model flux/sd3 --model-path DIR load a pipeline saved to a folder with from_pretrained: it computes what
+    the pipeline it was saved from computes."""
+    adapter_cls = common.FluxAdapter if name == "flux" else common.SD3Adapter
+    adapter = adapter_cls(common.build_pipeline(name, TINY_CONFIGS[name], seed=0), RT.device, RT.dtype, 32, 4.0)
+    loaded = common.load_model(name, RT, path=tiny_pipeline(name), resolution=32, guidance_scale=4.0)
     x = adapter.noise(1, torch.Generator().manual_seed(0))
     cond_a, cond_b = adapter.encode(PROMPTS[:1]), loaded.encode(PROMPTS[:1])
     torch.testing.assert_close(loaded.velocity(loaded.transformer, x, 0.7, cond_b),
                                adapter.velocity(adapter.transformer, x, 0.7, cond_a), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3"])
 def test_offloaded_text_encoders_go_to_the_device_only_to_encode(name, monkeypatch):
     """--offload-encoders: every text encoder is sent to the compute device (a torch.device) for the encode and back
     to "cpu" after it, and the conditioning is the same as with the encoders kept on the device."""
-    kept = common.load_model(name, RT, resolution=32, guidance_scale=4.5)
-    offloaded = common.load_model(name, RT, resolution=32, guidance_scale=4.5, offload_encoders=True)
+    kept = common.load_model(name, RT, tiny_pipeline(name), resolution=32, guidance_scale=4.5)
+    offloaded = common.load_model(name, RT, tiny_pipeline(name), resolution=32, guidance_scale=4.5,
+                                  offload_encoders=True)
     encoders = [m for n, m in offloaded.pipe.components.items() if n.startswith("text_encoder")]
     moves = []
     for i, enc in enumerate(encoders):

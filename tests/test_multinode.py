@@ -6,14 +6,14 @@ import sys
 
 import torch
 
-from helpers import ROOT, SMALL, read_metrics
+from helpers import ROOT, SMALL, read_metrics, tiny_argv
 
-ARGV = ["--model", "tiny-sd3", "--iterations", "2", "--prompts-per-step", "4", *SMALL[2:]]
+ARGV = ["--iterations", "2", "--prompts-per-step", "4", *SMALL[2:]]
 
 
 def launch(launcher_args: list[str], out, env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(ROOT / "flow_grpo.py"), *ARGV,
-           "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(ROOT / "flow_grpo.py"),
+           *tiny_argv("flow_grpo", "sd3"), *ARGV, "--output-dir", str(out)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

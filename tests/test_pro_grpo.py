@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pro_grpo
-from helpers import SMALL, read_metrics, run, torchrun
+from helpers import SMALL, model_argv, read_metrics, run, tiny_argv, torchrun
 
 # B = 2 prompts, G_max = 8 -> 6 -> 4 at steps 2, 3 of T = 4; 8 trained samples per rank in micro-batches of 4.
 FUNNEL = [*SMALL, "--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"]
@@ -118,12 +118,12 @@ def test_static_ovf_trains_on_the_max_variance_subset_of_the_final_rewards(monke
 
 
 # ---- 3. end to end ----
-@pytest.mark.parametrize("model", ["toy", "tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("model", ["toy", "flux", "sd3"])
 def test_two_iterations_run_with_finite_loss(model, tmp_path):
-    run(pro_grpo, ["--model", model, "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL])
+    run(pro_grpo, [*model_argv("pro_grpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
-    rows = 2 if model == "tiny-sd3" else 1  # SD3's CFG runs both branches: two transformer rows per sample
+    rows = 2 if model == "sd3" else 1  # SD3's CFG runs both branches: two transformer rows per sample
     for m in lines[:2]:
         for key in ("loss", "reward_mean", "grad_norm", "ovf2_std_before", "ovf3_std_after", "flops_vs_flow_grpo"):
             assert math.isfinite(m[key]), key
@@ -135,13 +135,13 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
 
 
-@pytest.mark.parametrize("model,extra", [("toy", []), ("tiny-sd3", ["--beta", "0.01"]),
-                                         ("tiny-flux", ["--beta", "0.01"])])
+@pytest.mark.parametrize("model,extra", [("toy", []), ("sd3", ["--beta", "0.01"]),
+                                         ("flux", ["--beta", "0.01"])])
 def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """The survivors' recomputed log-probs equal the rollout's before the first optimizer step, also at the
     steps before the checkpoints, whose rollout micro-batches held trajectories pruned later."""
-    run(pro_grpo, ["--model", model, "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
-                   *FUNNEL, *extra])
+    run(pro_grpo, [*model_argv("pro_grpo", model), "--iterations", "1", "--eval-every", "0",
+                   "--output-dir", str(tmp_path / "r"), *FUNNEL, *extra])
     m = read_metrics(tmp_path / "r")[0]
     assert m["ratio_dev_first_update"] == 0.0
     assert m["kl_first_update"] == 0.0
@@ -150,8 +150,9 @@ def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
 
 def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Each rank prunes its own prompts' groups; the gradients still all-reduce into identical replicas."""
-    stdout = torchrun("pro_grpo.py", ["--model", "tiny-sd3", "--iterations", "2", "--output-dir", str(tmp_path / "r"),
-           *FUNNEL, "--prompts-per-step", "4"], port=29541)
+    argv = [*tiny_argv("pro_grpo", "sd3"), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL,
+            "--prompts-per-step", "4"]
+    stdout = torchrun("pro_grpo.py", argv, port=29541)
     assert "ranks 2 | prompts/rank B=2 | funnel 8 -> 6 -> 4" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0
@@ -178,7 +179,7 @@ def test_toy_held_out_reward_rises(tmp_path):
 
 # ---- 4. bad input: one clear message that names the fix ----
 def test_bad_funnel_and_sizes(tmp_path):
-    base = ["--model", "tiny-flux", "--output-dir", str(tmp_path / "r")]
+    base = [*tiny_argv("pro_grpo", "flux"), "--output-dir", str(tmp_path / "r")]
     with pytest.raises(ValueError, match="--funnel '3,2' has 2 sizes but --checkpoints '1' has 1 steps"):
         run(pro_grpo, [*base, "--checkpoints", "1"])
     with pytest.raises(ValueError, match="--funnel '4,2' must decrease strictly from --group-size 4"):

@@ -17,11 +17,15 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, torchrun
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun
 
 TRAINERS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
-TINY = ["--model", "tiny-flux", *SMALL]
 TOY = ["--model", "toy", *SMALL]
+
+
+def tiny(trainer: str = "flow_grpo") -> list[str]:
+    """A small run of `trainer` on the tiny flux pipeline."""
+    return [*tiny_argv(trainer, "flux"), *SMALL]
 
 
 def strict_lines(run_dir) -> list[dict]:
@@ -112,7 +116,7 @@ def test_a_learning_rate_that_blows_up_stops_the_run_without_saving(tmp_path):
 def test_a_group_of_one_is_refused(trainer, tmp_path):
     module = importlib.import_module(trainer)
     with pytest.raises(common.UsageError, match="--group-size 1 must be at least 2"):
-        run(module, [*TINY, "--group-size", "1", "--output-dir", str(tmp_path / "r")])
+        run(module, [*tiny(trainer), "--group-size", "1", "--output-dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
 
 
@@ -131,7 +135,7 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     r = tmp_path / "r"
     with pytest.raises(common.TrainingStopped, match="not finite and were not saved"):
-        run(flow_grpo, [*TINY, "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
+        run(flow_grpo, [*tiny(), "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
     assert not list(r.glob("checkpoints/iter_*"))
 
 
@@ -147,9 +151,9 @@ def markers(run_dir) -> list[dict]:
 
 def test_resuming_appends_a_marker_and_changes_nothing_else(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r)])
     before = snapshot(r)
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
     after = snapshot(r)
     new = {k for k in after if k not in before}
     assert new == {k for k in after if k.startswith("checkpoints/iter_000003/")} | {"eval_000003.png"} and new
@@ -170,14 +174,14 @@ def test_resuming_appends_a_marker_and_changes_nothing_else(tmp_path):
 
 def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_starts_its_own_history(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(a)])
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(b)])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(b)])
     before, before_a = snapshot(b), snapshot(a)
     with pytest.raises(common.UsageError, match=re.escape(f"{b} already holds another run: continue ") +
                        ".*in a new or empty --output-dir \\(nothing in .* is moved or deleted\\)"):
-        run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
+        run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(b), "--resume", str(a)])
     assert snapshot(b) == before
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(c), "--resume", str(a)])
     assert snapshot(a) == before_a
     assert [m["iteration"] for m in read_metrics(c)] == [2, 3]        # not a's lines: its marker names a's checkpoint
     assert markers(c) == [{"from_iteration": 2, "checkpoint": str((a / "checkpoints" / "iter_000002").resolve()),
@@ -186,16 +190,16 @@ def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_starts_its_
 
 def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_the_older_checkpoint(tmp_path):
     r, elsewhere = tmp_path / "r", tmp_path / "rewound"
-    run(flow_grpo, [*TINY, "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
     before, ckpt2 = snapshot(r), r / "checkpoints" / "iter_000002"
     for out in ([], ["--output-dir", str(r)]):
         with pytest.raises(common.UsageError, match=re.escape(f"{ckpt2} is older than {r}'s newest checkpoint "
                                                               f"iter_000004: continue it in a new or empty "
                                                               f"--output-dir (nothing in {r} is moved or deleted)")):
-            run(flow_grpo, [*TINY, "--iterations", "3", *out, "--resume", str(ckpt2)])
+            run(flow_grpo, [*tiny(), "--iterations", "3", *out, "--resume", str(ckpt2)])
     assert snapshot(r) == before
     elsewhere.mkdir()                                                      # empty
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(elsewhere), "--resume", str(ckpt2)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(elsewhere), "--resume", str(ckpt2)])
     assert snapshot(r) == before
     assert [m["iteration"] for m in read_metrics(elsewhere)] == [2, 3]
     assert [m["from_iteration"] for m in markers(elsewhere)] == [2]
@@ -204,10 +208,10 @@ def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_th
 
 def test_a_cut_last_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r)])
     with open(r / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 3, "loss": 0.0')                           # a kill mid-write
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
     lines = (r / "metrics.jsonl").read_text().splitlines()
     cut = lines.index('{"iteration": 3, "loss": 0.0')                     # kept, on a line of its own
     assert "resumed" in json.loads(lines[cut + 1])
@@ -220,7 +224,7 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     calls = []
     monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
     stamp = (ckpt / "training_state.pt").stat().st_mtime_ns
@@ -228,19 +232,19 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     assert (ckpt / "training_state.pt").stat().st_mtime_ns == stamp
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
     assert not list((r / "checkpoints").glob(".tmp-*"))
 
 
 def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(r)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(r)])
 
     def disk_full(*a, **k):
         raise RuntimeError("basic_ios::clear: iostream error")
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(common.TrainingStopped, match="could not write the checkpoint of iteration 2 .*free disk"):
-        run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
+        run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000001", "latest"]
     assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
 
@@ -255,35 +259,36 @@ def test_default_run_folders_are_unique(tmp_path, monkeypatch):
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
     r = tmp_path / "r"
-    run(flow_grpo, [*TINY, "--iterations", "2", "--output-dir", str(r), "--resume", "auto"])
-    run(flow_grpo, [*TINY, "--iterations", "3", "--output-dir", str(r), "--resume", "auto"])
+    run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r), "--resume", "auto"])
+    run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", "auto"])
     assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
     with pytest.raises(common.UsageError, match="--resume auto continues the run in --output-dir"):
-        run(flow_grpo, [*TINY, "--resume", "auto"])
+        run(flow_grpo, [*tiny(), "--resume", "auto"])
 
 
 @pytest.mark.parametrize("module,flags,message", [
     ("v_grpo", [], "was trained by flow_grpo.py, not v_grpo.py: resume it with flow_grpo.py"),
-    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8, this run 16.0: pass --lora-alpha 8"),
+    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8.0, this run 16.0: pass --lora-alpha 8.0"),
     ("flow_grpo", ["--lora-rank", "8", "--lora-alpha", "8"], "has --lora-rank 4, this run 8: pass --lora-rank 4"),
     ("flow_grpo", ["--ema"], "was trained without EMA and this run has --ema"),
-    ("flow_grpo", ["--model", "tiny-sd3"], "has --model tiny-flux, this run tiny-sd3: pass --model tiny-flux"),
+    ("flow_grpo", lambda: tiny_argv("flow_grpo", "sd3"), "has --model flux, this run sd3: pass --model flux"),
 ])
 def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message, tmp_path):
     a = tmp_path / "a"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     with pytest.raises(common.UsageError, match=message):
-        run(importlib.import_module(module), [*TINY, "--iterations", "2", "--resume", str(a), *flags])
+        run(importlib.import_module(module), [*tiny(module), "--iterations", "2", "--resume", str(a),
+                                              *(flags() if callable(flags) else flags)])
 
 
 def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, capsys):
     a = tmp_path / "a"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()
     message = "has no readable checkpoint.json: it is not a checkpoint of these trainers or it is corrupt"
     with pytest.raises(common.UsageError, match=message):
-        run(flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a)])
-    err = one_error_line(capsys, flow_grpo, [*TINY, "--iterations", "2", "--resume", str(a), "--output-dir",
+        run(flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a)])
+    err = one_error_line(capsys, flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a), "--output-dir",
                                              str(tmp_path / "b")])
     assert message in err
     with pytest.raises(SystemExit):
@@ -293,7 +298,7 @@ def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, 
 
 def test_trainable_tensors_that_do_not_fit_name_the_first_that_differs(tmp_path):
     a = tmp_path / "a"
-    run(flow_grpo, [*TINY, "--iterations", "1", "--output-dir", str(a)])
+    run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     saved = params_of(a, 1)
     wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
     with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):

@@ -80,7 +80,7 @@ def _save_processor(folder, tok, eos_token_id: int):
 def world(tmp_path_factory):
     """The tokenizer, the open_clip weights, and processor folders whose config pools text at the argmax token id
     (eos_token_id 2, as configs written before transformers PR 24773) or at the first end-of-text id."""
-    root, tok = tmp_path_factory.mktemp("hps"), common._tiny_clip_tokenizer()
+    root, tok = tmp_path_factory.mktemp("hps"), common._clip_tokenizer()
     state = _open_clip_state(len(tok))
     for name, eos in [("argmax", 2), ("eos", tok.eos_token_id)]:
         _save_processor(root / name, tok, eos)

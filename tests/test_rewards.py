@@ -15,7 +15,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_the_reference_server_gives_the_in_process_scores(server):
 
 
 def test_a_trainer_trains_with_a_remote_reward(server, tmp_path):
-    run(flow_grpo, ["--model", "tiny-flux", "--reward", f"remote:{server}", "--eval-every", "1",
+    run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--reward", f"remote:{server}", "--eval-every", "1",
                     "--output-dir", str(tmp_path / "r")])
     lines = read_metrics(tmp_path / "r")
     assert all(math.isfinite(m["reward_mean"]) and m["reward_calls"] == 4 for m in lines[:-1])

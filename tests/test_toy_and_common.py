@@ -1,5 +1,6 @@
 """The toy world's renderer and reward, prompts, rewards and the CLI."""
 import dataclasses
+import importlib
 import json
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import common
+import helpers
 
 
 def _renders(pairs, halves=(0.28, 0.34, 0.40)):
@@ -90,7 +92,7 @@ def test_reward_spec_parsing_and_weighting():
 def _tiny_clip(path):
     """A tiny random CLIP saved like a hub repo, to load PickScore / CLIPScore through from_pretrained."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-    tok = common._tiny_clip_tokenizer()
+    tok = common._clip_tokenizer()
     torch.manual_seed(0)
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
@@ -142,14 +144,21 @@ def test_cli_defaults_are_the_toy_run_and_the_model_table_overrides_them():
         assert getattr(flux, name) == ("flux" if name == "model" else expected), name
 
 
-def test_cli_tiny_models_are_their_family_at_smoke_run_sizes():
-    import pro_grpo
-    args = common.cli(pro_grpo.Args, ["--model", "tiny-sd3", "--iterations", "5"], pro_grpo.MODEL_DEFAULTS)
-    sd3 = pro_grpo.MODEL_DEFAULTS["sd3"]
+@pytest.mark.parametrize("trainer", sorted(helpers.TRAINER_SMOKE))
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_tiny_argv_is_the_family_at_smoke_run_sizes(trainer, family):
+    """The tests' smoke runs: the trainer's flux / sd3 table, every smoke-run size and the trainer's own set over
+    it, then the command line; a dropped size keeps the table's value."""
+    module = importlib.import_module(trainer)
+    table, smoke = module.MODEL_DEFAULTS[family], {**helpers.SMOKE, **helpers.TRAINER_SMOKE[trainer]}
+    args = common.cli(module.Args, [*helpers.tiny_argv(trainer, family), "--iterations", "5"], module.MODEL_DEFAULTS)
+    assert (args.model, args.model_path) == (family, helpers.tiny_pipeline(family))
     assert args.iterations == 5                                                     # the command line wins
-    assert args.beta == sd3["beta"] and args.guidance_scale == sd3["guidance_scale"]  # the family's settings
-    assert args.resolution == common.TINY_DEFAULTS["resolution"] and args.lora_rank == 4  # smoke-run sizes
-    assert (args.group_size, args.funnel) == (4, "3,2")                             # the trainer's "tiny" entry
+    assert args.guidance_scale == table["guidance_scale"]                           # the family's settings
+    assert all(getattr(args, k) == v for k, v in smoke.items() if k != "iterations"), vars(args)
+    assert any(table.get(k, v) != v for k, v in smoke.items())                     # the sizes do replace some
+    dropped = common.cli(module.Args, helpers.tiny_argv(trainer, family, drop=("resolution",)), module.MODEL_DEFAULTS)
+    assert dropped.resolution == table["resolution"] != smoke["resolution"]
 
 
 def test_cli_help_shows_the_defaults_of_the_chosen_model(capsys):

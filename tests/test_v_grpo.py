@@ -7,7 +7,7 @@ import torch
 
 import common
 import v_grpo
-from helpers import SMALL, read_metrics, run, straight_and_resumed, torchrun
+from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv, torchrun
 
 
 class ConstantVelocity:
@@ -153,17 +153,17 @@ def test_soft_clip_formula():
 # ---- end to end ----
 @pytest.mark.parametrize("model,extra", [
     ("toy", []),
-    ("tiny-flux", ["--share-pairs", "batch"]),
-    ("tiny-sd3", ["--share-pairs", "sample", "--no-stratified", "--no-self-normalize"]),
+    ("flux", ["--share-pairs", "batch"]),
+    ("sd3", ["--share-pairs", "sample", "--no-stratified", "--no-self-normalize"]),
 ])
 def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extra, tmp_path):
     """2 iterations of 2 gradient steps with the KL on: the first step is exactly on-policy (rho = 1, KL = 0),
     the second is not; the work per sample is the paper's NFE_old = T + N_MC and NFE_theta = N_MC."""
-    run(v_grpo, ["--model", model, "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
+    run(v_grpo, [*model_argv("v_grpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
                  "--updates-per-rollout", "2", "--beta", "0.3", *extra])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
-    J = common.cli(v_grpo.Args, ["--model", model], v_grpo.MODEL_DEFAULTS).mc_pairs
+    J = common.cli(v_grpo.Args, model_argv("v_grpo", model), v_grpo.MODEL_DEFAULTS).mc_pairs
     for m in lines[:2]:
         assert all(math.isfinite(m[k]) for k in ("loss", "reward_mean", "grad_norm", "surrogate_old", "kl"))
         assert m["ratio_dev_first_update"] == 0.0 and m["kl_first_update"] == 0.0
@@ -180,7 +180,7 @@ def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extr
 
 def test_resume_equals_straight_run(tmp_path):
     """The pairs come from keyed generators (batch mode: one key for all ranks), so --resume repeats them."""
-    base = ["--model", "tiny-flux", "--seed", "3", "--share-pairs", "batch", *SMALL]
+    base = [*tiny_argv("v_grpo", "flux"), "--seed", "3", "--share-pairs", "batch", *SMALL]
     a, b = straight_and_resumed(v_grpo, base, 1, 3, tmp_path)
     assert a == b and len(a) == 4
 
@@ -188,7 +188,7 @@ def test_resume_equals_straight_run(tmp_path):
 def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Two ranks, each with its own prompts and one shared set of pairs (--share-pairs batch): DDP must keep the
     replicas equal through the single surrogate forward and backward per micro-batch."""
-    stdout = torchrun("v_grpo.py", ["--model", "tiny-flux", "--iterations", "2", "--prompts-per-step", "4",
+    stdout = torchrun("v_grpo.py", [*tiny_argv("v_grpo", "flux"), "--iterations", "2", "--prompts-per-step", "4",
            "--share-pairs", "batch", "--output-dir", str(tmp_path / "r"), *SMALL[2:], "--eval-every", "0"], port=29537)
     assert "ranks 2 | prompts/rank B=2" in stdout
     last = read_metrics(tmp_path / "r")[-1]
@@ -210,14 +210,14 @@ def test_toy_held_out_reward_rises(tmp_path):
 # ---- bad input: one clear message that names the fix ----
 def test_bad_pair_settings(tmp_path):
     with pytest.raises(ValueError, match="--share-pairs 'prompt': choose one of group, batch, sample"):
-        run(v_grpo, ["--model", "tiny-flux", "--share-pairs", "prompt", "--output-dir", str(tmp_path / "r")])
+        run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--share-pairs", "prompt", "--output-dir", str(tmp_path / "r")])
     with pytest.raises(ValueError, match="--mc-pairs 5 must be between 1 and the 4 grid points.*--pair-grid-steps"):
-        run(v_grpo, ["--model", "tiny-flux", "--mc-pairs", "5", "--output-dir", str(tmp_path / "r")])
+        run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--mc-pairs", "5", "--output-dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()                            # refused before anything is written
 
 
 def test_sizes_that_do_not_divide(tmp_path):
     with pytest.raises(ValueError, match="--micro-batch 3 must divide the 4 samples"):
-        run(v_grpo, ["--model", "tiny-flux", "--micro-batch", "3", "--output-dir", str(tmp_path / "r")])
+        run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--micro-batch", "3", "--output-dir", str(tmp_path / "r")])
     with pytest.raises(ValueError, match="--updates-per-rollout 3 must divide"):
-        run(v_grpo, ["--model", "tiny-flux", "--updates-per-rollout", "3", "--output-dir", str(tmp_path / "r")])
+        run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--updates-per-rollout", "3", "--output-dir", str(tmp_path / "r")])
