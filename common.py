@@ -7,7 +7,8 @@ velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0
 
 Sections, in reading order:
   1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
-  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults
+  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults, and the
+     plumbing of the trainers' loop (shared flags, checkpoints, signals, evaluation, the log)
   3. Models: the adapter interface (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
   4. Rewards: name -> scorer (toy, jpeg, PickScore, CLIP score, HPS v2.1, aesthetic, OCR, ImageReward), weighted
      sums and how they make advantages, remote scorers and their server (`python common.py serve-reward`)
@@ -167,9 +168,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") -> Runtime:
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank.
-    `dtype` (bf16 / fp16) is the compute dtype on GPU; CPU runs compute in float32."""
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    `dtype` (a key of DTYPES) is the compute dtype on GPU; CPU runs compute in float32."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -302,8 +301,6 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
     pre.add_argument("--model", default=fields["model"].default)
     model = pre.parse_known_args(argv)[0].model
     parser = argparse.ArgumentParser(description=f"{doc} Defaults shown are those of --model {model}.")
-    if model not in MODELS:
-        parser.error(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
     defaults = {k: v for k, v in model_overrides(model, model_defaults or {}).items() if k in fields}
     for f in fields.values():
         default = defaults.get(f.name, f.default)
@@ -373,6 +370,130 @@ def out_of_time(t0: float, budget: float, device) -> bool:
     return bool(over.item())
 
 
+# The plumbing every trainer shares: its flags checked, the micro-batch split, and the loop around the method.
+def setup_training(args) -> Runtime:
+    """Checks the flags every trainer has (a UsageError naming the first bad one), then setup_runtime, then the
+    flags that depend on the number of ranks; all before a model loads."""
+    at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
+             time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
+    at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
+             prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch, sample_steps=args.sample_steps,
+             max_bad_steps=args.max_bad_steps)
+    at_least(2, group_size=args.group_size)                  # a group-relative advantage needs two samples
+    at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
+    if args.lora_rank:
+        at_least(1e-12, lora_alpha=args.lora_alpha)
+    random_depth(args.model_path)
+    rt = setup_runtime(args.seed, args.threads, args.dtype)
+    if args.prompts_per_step % rt.world_size:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
+    if args.fsdp and (args.lora_rank or rt.world_size < 2):
+        raise UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
+                         "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
+    return rt
+
+
+def micro_batches_per_update(n: int, micro_batch: int, updates: int,
+                             samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
+    """n samples per rank in micro-batches of `micro_batch`, trained in `updates` optimizer steps: the
+    micro-batches of one step. A UsageError names the flag to change unless both split evenly."""
+    at_least(1, updates_per_rollout=updates)
+    if n % micro_batch:
+        raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
+    if (n // micro_batch) % updates:
+        raise UsageError(f"--updates-per-rollout {updates} must divide the {n // micro_batch} micro-batches per "
+                         f"rank; change it or --micro-batch")
+    return n // micro_batch // updates
+
+
+class TrainingLoop:
+    """What a trainer's loop does around its method: the clock (training seconds, evaluation left out, continued
+    across --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints
+    every --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA: it
+    loads the run's checkpoint into them, if there is one, before the log is opened.
+
+        for it in range(run.start, args.iterations + 1):
+            metrics = loop.begin(it)        # None: the last line is logged
+            if metrics is None:
+                break
+            ...                             # the method: rollout, rewards, update, metrics.update(...)
+            loop.end(metrics)
+        return loop.finish()
+    """
+
+    def __init__(self, args, run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None, meta: dict,
+                 eval_prompts: list[dict], reward_fn):
+        self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
+        self.optimizer, self.ema, self.meta = optimizer, ema, meta
+        self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
+        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+        self.t0 = time.time() - elapsed
+        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if args.wandb else None)
+        self.it, self.metrics = run.start, {}
+
+    def seconds(self) -> float:
+        """Training seconds so far: evaluation left out, continued across --resume (the log's time_s)."""
+        return time.time() - self.t0
+
+    def save(self, iteration: int) -> Path:
+        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
+        return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
+                               self.optimizer, self.ema, self.seconds(), self.meta, self.rt)
+
+    def stop_if_signalled(self, it: int):
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
+        signum = signalled(self.rt.device)
+        if signum:
+            self.save(it)
+            raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
+                                  f"saved; continue with --resume {self.run.dir}", exit_code=128 + signum)
+
+    def evaluate(self, it: int) -> dict:
+        """The held-out evaluation (of the EMA weights, if kept) and its image grid eval_NNNNNN.png, a row per
+        prompt; its time is taken off the clock."""
+        a, tic = self.args, time.time()
+        with self.ema.swapped_in() if self.ema else contextlib.nullcontext():
+            res, rows = evaluate(self.adapter, self.adapter.transformer, self.eval_prompts, a.eval_images,
+                                 a.eval_steps, self.reward_fn, self.rt, seed=a.seed,
+                                 accuracy_fn=toy_accuracy if a.model == "toy" else None)
+        if self.rt.is_main:
+            save_image_grid(rows, self.run.dir / f"eval_{it:06d}.png")
+        self.t0 += time.time() - tic
+        return res
+
+    def begin(self, it: int) -> dict | None:
+        """Starts iteration `it`: checkpoints and stops on a signal, evaluates when due, and returns its metrics
+        line. The last one (--iterations reached or --time-budget spent) is logged at once, with a check under
+        DDP that the replicas agree, and None is returned: the loop ends."""
+        a = self.args
+        self.stop_if_signalled(it)
+        self.it, self.metrics = it, {"iteration": it}
+        last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
+        if a.eval_every and (it % a.eval_every == 0 or last):
+            self.metrics.update(self.evaluate(it))
+        if not last:
+            return self.metrics
+        if self.rt.distributed and not a.fsdp:
+            self.metrics["rank_param_diff"] = rank_param_diff(self.params)
+        self.metrics["time_s"] = self.seconds()
+        self.logger.log(self.metrics)
+        return None
+
+    def end(self, metrics: dict):
+        """Logs the iteration's line with its time_s, and checkpoints every --save-every iterations."""
+        metrics["time_s"] = self.seconds()
+        self.logger.log(metrics)
+        done, a = self.it + 1, self.args
+        if a.save_every and done % a.save_every == 0 and done < a.iterations:
+            self.save(done)
+
+    def finish(self) -> dict:
+        """The final checkpoint; returns the last metrics line."""
+        self.save(self.it)
+        cleanup_runtime()
+        return self.metrics
+
+
 # =============================================================================================
 # 3. Models: one small interface, so trainers never branch on the model
 # =============================================================================================
@@ -410,10 +531,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                      CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}.get(
-        name, (None, None))
-    if cls is None:
-        raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
+    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
         pipe = random_pipeline(name, path, rt.device, rt.dtype)
     else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
@@ -835,9 +953,8 @@ class JpegCompressibility:
 
     def __call__(self, images, prompts, metadata=None):
         from PIL import Image
-        arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
         sizes = []
-        for a in arr:
+        for a in _to_uint8(images).permute(0, 2, 3, 1).numpy():
             buf = io.BytesIO()
             Image.fromarray(a).save(buf, format="JPEG", quality=95)
             sizes.append(-buf.tell() / 1000)
@@ -1103,7 +1220,7 @@ class OCRScore:
     def recognise(self, images: torch.Tensor) -> list[str]:
         """The text read in each image (N,3,H,W) in [0, 1]."""
         from PIL import Image
-        pixels = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
         inputs = self.processor([Image.fromarray(a) for a in pixels], num_image_tokens=self.num_image_tokens,
                                 return_tensors="pt").to(self.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
@@ -1197,7 +1314,7 @@ class RemoteReward:
         import base64
         import urllib.error
         import urllib.request
-        pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
         encoded = []
         for im in pixels:
             buf = io.BytesIO()
@@ -1284,9 +1401,9 @@ REWARD_NORMS = ("sum", "per-reward")
 
 
 class WeightedReward:
-    """Several scorers with weights (--reward). __call__ returns (total (N,), {name: (N,)}), float32 on `device`:
-    the weighted sum and each scorer's own scores. `advantages` turns them into one advantage per sample, by
-    --reward-norm (`norm`):
+    """Several scorers with weights: `terms` is parse_reward_spec's [(name, weight), ...]. __call__ returns
+    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's own scores. `advantages`
+    turns them into one advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS):
       sum         the group advantage of the weighted sum;
       per-reward  each reward's own group advantage, then their weighted sum.
     Each trainer's --reward-norm help says which one its paper uses.
@@ -1294,11 +1411,9 @@ class WeightedReward:
     Under torchrun every rank scores the same number of batches, so each call also tells every rank whether a
     scorer failed on any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
 
-    def __init__(self, spec: str, device="cpu", norm: str = "sum"):
-        if norm not in REWARD_NORMS:
-            raise UsageError(f"unknown --reward-norm {norm!r}: choose one of {', '.join(REWARD_NORMS)}")
+    def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
-                       else REWARDS[name](device=device)) for name, w in parse_reward_spec(spec)]
+                       else REWARDS[name](device=device)) for name, w in terms]
         self.weights = {name: w for name, w, _ in self.terms}
         self.device, self.norm = device, norm
         self.calls = 0  # images scored so far
@@ -1347,7 +1462,8 @@ def short_reward_name(name: str) -> str:
 
 
 def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
-    return WeightedReward(spec, device, norm)
+    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
+    return WeightedReward(parse_reward_spec(spec), device, norm)
 
 
 # =============================================================================================
@@ -1424,10 +1540,9 @@ class Logger:
     """One JSON line per iteration appended to metrics.jsonl (NaN and inf written as null), one line on stdout, and
     Weights & Biases when given a `wandb_config` (the run's settings); the main process only. A run folder only
     grows: its lines and checkpoints are never moved, rewritten or deleted, so a reader takes the last line of each
-    iteration (read_metrics). `start_iteration` and `history` are accepted and not used."""
+    iteration (read_metrics)."""
 
-    def __init__(self, run_dir: Path, is_main: bool, start_iteration: int = 0, wandb_config: dict | None = None,
-                 history: list[str] | None = None):
+    def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
         self.path = self.run_dir / "metrics.jsonl"
         if is_main and wandb_config is not None:
@@ -1512,12 +1627,10 @@ def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: li
 
 @dataclasses.dataclass
 class Run:
-    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start) and its iteration.
-    `history` is always empty and not used."""
+    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start) and its iteration."""
     dir: Path
     checkpoint: Path | None = None
     start: int = 0
-    history: list[str] = dataclasses.field(default_factory=list)
 
 
 def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:

@@ -34,13 +34,13 @@ Run:
   torchrun --nproc_per_node=8 flow_grpo.py --model sd3 --lora-rank 0 --fsdp --lr 1e-5   # full fine-tuning, FSDP2
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
-rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps.
+rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps;
+N = samples per rank; mb = micro_batch.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +57,7 @@ from common import field
 @dataclass
 class Args:
     # >>> shared: args
-    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
                                          "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
@@ -83,7 +83,7 @@ class Args:
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
-                               "scaling); CPU runs compute in float32")
+                               "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
@@ -169,92 +169,52 @@ def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.T
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
-    common.at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
-                    time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
-    common.at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
-                    prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch,
-                    sample_steps=args.sample_steps, max_bad_steps=args.max_bad_steps)
-    common.at_least(2, group_size=args.group_size)          # a group-relative advantage needs two samples
-    common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
-    if args.lora_rank:
-        common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    common.random_depth(args.model_path)
-    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
+    rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
-    if args.prompts_per_step % W:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
-    if args.fsdp and (args.lora_rank or W < 2):
-        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
-                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
-    M = args.micro_batch
-    common.at_least(1, updates_per_rollout=args.updates_per_rollout)
+    mb = args.micro_batch
     common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
     common.at_least(0, clip_range=args.clip_range, beta=args.beta)
-    if N % M:
-        raise common.UsageError(f"--micro-batch {M} must divide the {N} samples per rank "
-                                f"(prompts-per-step/ranks x group-size)")
-    if (N // M) % args.updates_per_rollout:
-        raise common.UsageError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} "
-                                f"micro-batches per rank; change it or --micro-batch")
+    per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
     T = args.sample_steps
     T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
     if not (0 < args.timestep_fraction <= 1 and T_train >= 1):
         raise common.UsageError(f"--timestep-fraction {args.timestep_fraction} of --sample-steps {T} trains no step")
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} ({N // M} "
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} ({N // mb} "
                   f"per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
 
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
-    common.parse_reward_spec(args.reward)
-    config = dataclasses.asdict(args)
+    reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
+    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
+    reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
-    lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
+    lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
-    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+    if args.fsdp:  # the trained transformer (float32 master weights) and any frozen reference, sharded per block
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    start = run.start                                        # 0, or the iteration of the checkpoint resumed
-    elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
-    logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
-                           history=run.history)
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)
-    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
-
-    def save(iteration):
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
-                                      meta, rt)
-
-    def stop_if_signalled(it):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
-        signum = common.signalled(rt.device)
-        if signum:
-            save(it)
-            raise common.TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
-                                         f"saved; continue with --resume {run.dir}", exit_code=128 + signum)
     # <<< shared: setup-train
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
@@ -265,31 +225,12 @@ def main(args: Args) -> dict:
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
 
-    # >>> shared: eval
-    def run_eval(it):
-        with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
-                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:  # a row per prompt
-            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
-        return res
-
-    metrics = {}
-    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
-        stop_if_signalled(it)
-        metrics = {"iteration": it}
-        last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
-        if args.eval_every and (it % args.eval_every == 0 or last):
-            tic = time.time()
-            metrics.update(run_eval(it))
-            t0 += time.time() - tic                          # time_s leaves evaluation out
-        if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed and not args.fsdp:
-                metrics["rank_param_diff"] = common.rank_param_diff(params)
-            metrics["time_s"] = time.time() - t0
-            logger.log(metrics)
+    # >>> shared: loop
+    for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
+        if metrics is None:
             break
-        # <<< shared: eval
+        # <<< shared: loop
 
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
         # >>> shared: iteration-start
@@ -305,9 +246,9 @@ def main(args: Args) -> dict:
         latents, log_probs = [], []                          # (N, T+1, ...) and (N, T)
         transformer.eval()
         with torch.no_grad():
-            for i in range(0, N, M):
-                c = common.cond_select(cond, slice(i, i + M))
-                z = adapter.noise(M, gen)
+            for i in range(0, N, mb):
+                c = common.cond_select(cond, slice(i, i + mb))
+                z = adapter.noise(mb, gen)
                 zs, lps = [z], []
                 for k in range(T):
                     v = adapter.velocity(net, z, sigmas[k], c)
@@ -323,26 +264,25 @@ def main(args: Args) -> dict:
         # ---- 3b. Rewards -> group-relative advantages [Flow-GRPO Eq. 4] ----
         tic = time.time()
         with torch.no_grad():
-            images = torch.cat([adapter.decode(latents[i:i + M, -1]) for i in range(0, N, M)])
-            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+            images = torch.cat([adapter.decode(latents[i:i + mb, -1]) for i in range(0, N, mb)])
+            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=mb)
         advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
-        stop_if_signalled(it)                                # before the first optimizer step: drop the rollout
+        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
-        per_update = (N // M) // args.updates_per_rollout
+        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for j, mb in enumerate(chunk):
-                idx = slice(mb * M, (mb + 1) * M)
+            for m in chunk:
+                idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for k in range(T_train):
-                    sync = j == len(chunk) - 1 and k == T_train - 1  # the update's last backward all-reduces
+                    sync = m == chunk[-1] and k == T_train - 1      # the update's last backward all-reduces
                     z, z_next = latents[idx, k], latents[idx, k + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
@@ -368,7 +308,7 @@ def main(args: Args) -> dict:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
 
-        # ---- 3d. Log ----
+        # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         metrics.update({
@@ -379,18 +319,13 @@ def main(args: Args) -> dict:
             "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
-            "time_s": time.time() - t0,
         })
-        logger.log(metrics)
 
-        # >>> shared: checkpoint
-        # ---- 3e. Checkpoint ----
-        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
-            save(it + 1)
-    save(it)
-    common.cleanup_runtime()
-    return metrics
-    # <<< shared: checkpoint
+        # >>> shared: loop-end
+        # ---- 3e. Log the line, checkpoint every --save-every iterations ----
+        loop.end(metrics)
+    return loop.finish()                                     # the final checkpoint
+    # <<< shared: loop-end
 
 
 # ---- 4. Entry point ----

@@ -10,7 +10,7 @@ Differences from flow_grpo.py:
   1. Rollout: one initial noise per prompt, an ODE anchor over the T-step grid, and for each k in M one SDE step
      per branch from the anchor's z_k (common.sde_step, a = noise_level); every other step is ODE. Flow-GRPO
      samples G independent SDE trajectories instead.
-  2. Each branch is continued by the ODE at every stride in Lambda and scored: rewards (B, K, G, L), not (B, G).
+  2. Each branch is continued by the ODE at every stride in Lambda and scored: rewards (B, |M|, G, L), not (B, G).
   3. Advantages: z-score over the G branches per (prompt, k, lambda, reward model) with the group's own unbiased
      std + 1e-8 (no global std), summed over lambda and reward models, clamped to +-adv_clip.
   4. Update: one optimizer step per k in M (|M| per iteration) instead of --updates-per-rollout; a step's loss
@@ -63,15 +63,14 @@ Run:
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 g2rpo.py --model flux
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = anchor[:, k]; z_{k+1}^i = branches[:, k, i];
-M = steps 0..K-1 (K = |M|, sde_steps); Lambda = strides (L of them); R_{k,lambda}^i = rewards[:, k, i, l];
+M = steps 0..n_sde-1 (n_sde = |M| = sde_steps); Lambda = strides (L of them); R_{k,lambda}^i = rewards[:, k, i, l];
 A_k^i = advantages[:, k, i]; a = eta = noise_level; l = log_prob; rho = ratio; G = group_size;
-B = prompts per rank; T = sample_steps.
+B = prompts per rank; T = sample_steps; mb = micro_batch.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +87,7 @@ from common import field
 @dataclass
 class Args:
     # >>> shared: args
-    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
                                          "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
@@ -114,7 +113,7 @@ class Args:
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
-                               "scaling); CPU runs compute in float32")
+                               "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
@@ -244,9 +243,9 @@ def continue_ode(velocity, z: torch.Tensor, cond: dict, k: int, sigmas: torch.Te
 
 
 def mgai_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float], adv_clip: float) -> torch.Tensor:
-    """[G2RPO, MGAI] rewards[name]: (B, K, G, L). Each (prompt, k, stride) is z-scored over its G branches with the
+    """[G2RPO, MGAI] rewards[name]: (B, |M|, G, L). Each (prompt, k, stride) is z-scored over its G branches with the
     unbiased std + 1e-8 (GRPO's group advantage), then summed (not averaged) over the strides and, with their
-    weights, over the reward models; clamped to +-adv_clip. Returns A (B, K, G)."""
+    weights, over the reward models; clamped to +-adv_clip. Returns A (B, |M|, G)."""
     total = 0.0
     for name, r in rewards.items():
         z = (r - r.mean(2, keepdim=True)) / (r.std(2, keepdim=True) + 1e-8)
@@ -257,87 +256,53 @@ def mgai_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float],
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
-    common.at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
-                    time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
-    common.at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
-                    prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch,
-                    sample_steps=args.sample_steps, max_bad_steps=args.max_bad_steps)
-    common.at_least(2, group_size=args.group_size)          # a group-relative advantage needs two samples
-    common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
-    if args.lora_rank:
-        common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    common.random_depth(args.model_path)
-    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
+    rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
-    if args.prompts_per_step % W:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
-    if args.fsdp and (args.lora_rank or W < 2):
-        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
-                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
-    M = args.micro_batch
+    mb = args.micro_batch
     common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
     common.at_least(0, clip_range=args.clip_range, beta=args.beta)
     T = args.sample_steps
-    K = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..K-1 branch and train
-    if not 1 <= K <= T:
-        raise common.UsageError(f"--sde-steps {K} must be between 1 and --sample-steps {T}")
+    n_sde = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..n_sde-1 branch and train
+    if not 1 <= n_sde <= T:
+        raise common.UsageError(f"--sde-steps {n_sde} must be between 1 and --sample-steps {T}")
     strides = parse_granularities(args.granularities)
     L = len(strides)
-    chunks = [slice(i, min(i + M, B)) for i in range(0, B, M)]  # prompt rows per forward, in rollout and update
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | steps T={T}, branched M=0..{K - 1} | strides "
-                  f"{strides} | images/rank {B * K * G * L} | micro-batch {M} | optimizer steps/iteration {K}")
+    chunks = [slice(i, min(i + mb, B)) for i in range(0, B, mb)]  # prompt rows per forward, in rollout and update
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | steps T={T}, branched M=0..{n_sde - 1} | strides "
+                  f"{strides} | images/rank {B * n_sde * G * L} | micro-batch {mb} | optimizer steps/iteration {n_sde}")
 
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
-    common.parse_reward_spec(args.reward)
-    config = dataclasses.asdict(args)
+    reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
+    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
+    reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
-    lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
+    lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
-    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+    if args.fsdp:  # the trained transformer (float32 master weights) and any frozen reference, sharded per block
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    start = run.start                                        # 0, or the iteration of the checkpoint resumed
-    elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
-    logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
-                           history=run.history)
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)
-    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
-
-    def save(iteration):
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
-                                      meta, rt)
-
-    def stop_if_signalled(it):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
-        signum = common.signalled(rt.device)
-        if signum:
-            save(it)
-            raise common.TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
-                                         f"saved; continue with --resume {run.dir}", exit_code=128 + signum)
     # <<< shared: setup-train
     sigmas = common.uniform_sigmas(T, args.grid_shift)       # (T+1,) t_0 = 1 ... t_T = 0 (reading 6)
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
@@ -350,35 +315,16 @@ def main(args: Args) -> dict:
         return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
 
     def branch_velocity(x, i, cond):
-        """v_theta(x, t_i) for branch rows x with their conditioning rows, M rows per forward."""
-        return torch.cat([adapter.velocity(net, x[r:r + M], sigmas[i], common.cond_select(cond, slice(r, r + M)))
-                          for r in range(0, len(x), M)])
+        """v_theta(x, t_i) for branch rows x with their conditioning rows, mb rows per forward."""
+        return torch.cat([adapter.velocity(net, x[r:r + mb], sigmas[i], common.cond_select(cond, slice(r, r + mb)))
+                          for r in range(0, len(x), mb)])
 
-    # >>> shared: eval
-    def run_eval(it):
-        with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
-                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:  # a row per prompt
-            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
-        return res
-
-    metrics = {}
-    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
-        stop_if_signalled(it)
-        metrics = {"iteration": it}
-        last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
-        if args.eval_every and (it % args.eval_every == 0 or last):
-            tic = time.time()
-            metrics.update(run_eval(it))
-            t0 += time.time() - tic                          # time_s leaves evaluation out
-        if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed and not args.fsdp:
-                metrics["rank_param_diff"] = common.rank_param_diff(params)
-            metrics["time_s"] = time.time() - t0
-            logger.log(metrics)
+    # >>> shared: loop
+    for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
+        if metrics is None:
             break
-        # <<< shared: eval
+        # <<< shared: loop
 
         # ---- 3a. Rollout: ODE anchor, singular SDE branches, multi-granularity ODE continuations (no grad) ----
         # >>> shared: iteration-start
@@ -395,7 +341,7 @@ def main(args: Args) -> dict:
             # [G2RPO, Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
             # deterministic ODE anchor from it; keep z_k and v_theta(z_k) for every k in M
             fwd = adapter.counts["fwd"]
-            anchor, velocities, finals = [], [], []          # (B, K, ...), (B, K, ...), (B, ...)
+            anchor, velocities, finals = [], [], []          # (B, n_sde, ...), (B, n_sde, ...), (B, ...)
             for rows in chunks:
                 c = common.cond_select(cond, rows)
                 z = adapter.noise(rows.stop - rows.start, gen)
@@ -405,26 +351,25 @@ def main(args: Args) -> dict:
                     zs.append(z)
                     vs.append(v)
                     z = common.ode_step(z, v, sigmas[k], sigmas[k + 1])
-                anchor.append(torch.stack(zs[:K], 1))
-                velocities.append(torch.stack(vs[:K], 1))
+                anchor.append(torch.stack(zs[:n_sde], 1))
+                velocities.append(torch.stack(vs[:n_sde], 1))
                 finals.append(z)
             anchor, velocities, finals = torch.cat(anchor), torch.cat(velocities), torch.cat(finals)
             nfe_anchor, fwd = adapter.counts["fwd"] - fwd, adapter.counts["fwd"]
 
             # [G2RPO, Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
             # anchor's v_theta(z_k) gives the step mean, so branching needs no evaluation (reading 4)
-            branches = torch.empty(B, K, G, *anchor.shape[2:], device=anchor.device)  # (B, K, G, ...) z_{k+1}^i
-            log_probs = torch.empty(B, K, G, device=anchor.device)                     # (B, K, G) l_old
+            branches = torch.empty(B, n_sde, G, *anchor.shape[2:], device=anchor.device)  # (B, n_sde, G, ...) z_{k+1}^i
+            log_probs = torch.empty(B, n_sde, G, device=anchor.device)                     # (B, n_sde, G) l_old
             for rows in chunks:
-                for k in range(K):
+                for k in range(n_sde):
                     branches[rows, k], log_probs[rows, k], _, _ = singular_sde_step(
                         anchor[rows, k], velocities[rows, k], sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap, gen)
-            nfe_branch, fwd = adapter.counts["fwd"] - fwd, adapter.counts["fwd"]
 
             # [G2RPO, MGAI] finish every branch with the ODE at every stride (reading 5), one k at a time
             branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
-            latents = torch.empty(B, K, G, L, *anchor.shape[2:], device=anchor.device)  # (B, K, G, L, ...) at t = 0
-            for k in range(K):
+            latents = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
+            for k in range(n_sde):
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
                 latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
@@ -434,34 +379,34 @@ def main(args: Args) -> dict:
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----
         tic = time.time()
         flat = rearrange(latents, "b k g l ... -> (b k g l) ...")
-        owners = [r for r in records for _ in range(K * G * L)]  # the prompt (record) of each row of flat
+        owners = [r for r in records for _ in range(n_sde * G * L)]  # the prompt (record) of each row of flat
         parts = {name: [] for name in weights}
         with torch.no_grad():
-            for i in range(0, len(flat), M):                  # decode and score in micro-batches; images are not kept
-                rows_i = owners[i:i + M]
-                for name, r in reward_fn(adapter.decode(flat[i:i + M]), [o["prompt"] for o in rows_i],
+            for i in range(0, len(flat), mb):                  # decode and score in micro-batches; images are not kept
+                rows_i = owners[i:i + mb]
+                for name, r in reward_fn(adapter.decode(flat[i:i + mb]), [o["prompt"] for o in rows_i],
                                          rows_i)[1].items():
                     parts[name].append(r)
             anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), texts[rows], records[rows])[0]
                                         for rows in chunks])
-        parts = {name: rearrange(torch.cat(r), "(b k g l) -> b k g l", k=K, g=G, l=L) for name, r in parts.items()}
-        rewards = reward_fn.total(parts)                                                # (B, K, G, L)
+        parts = {name: rearrange(torch.cat(r), "(b k g l) -> b k g l", k=n_sde, g=G, l=L) for name, r in parts.items()}
+        rewards = reward_fn.total(parts)                                                # (B, n_sde, G, L)
         if args.reward_norm == "per-reward":
-            advantages = mgai_advantages(parts, weights, args.adv_clip)                 # (B, K, G)
+            advantages = mgai_advantages(parts, weights, args.adv_clip)                 # (B, n_sde, G)
         else:
             advantages = mgai_advantages({"sum": rewards}, {"sum": 1.0}, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: one optimizer step per k in M, PPO-clipped ratio of the single SDE step ----
-        stop_if_signalled(it)                                # before the first optimizer step: drop the rollout
+        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
-        for k in range(K):
-            for j, rows in enumerate(chunks):
+        for k in range(n_sde):
+            for rows in chunks:
                 P = rows.stop - rows.start
                 c, z, A = common.cond_select(cond, rows), anchor[rows, k], advantages[rows, k]  # z_k: (P, ...)
-                with common.no_sync(net, j < len(chunks) - 1):
+                with common.no_sync(net, rows != chunks[-1]):  # the step's last backward all-reduces
                     v = adapter.velocity(net, z, sigmas[k], c)  # one forward per prompt: the G branches share z_k
                     _, lp, mu, std_k = singular_sde_step(z, v, sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap,
                                                          next_x=branches[rows, k])     # (P, G) log-probs, mu (P, ...)
@@ -483,10 +428,10 @@ def main(args: Args) -> dict:
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats["grad_norm"].append(grad_norm)
             if ema and stepped:
-                ema.step(it * K + k + 1)
+                ema.step(it * n_sde + k + 1)
         t_update = time.time() - tic
 
-        # ---- 3d. Log ----
+        # ---- 3d. Metrics ----
         zero_std = torch.stack([(r.std(2) < 1e-6).float().mean() for r in parts.values()]).mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         metrics.update({
@@ -502,20 +447,14 @@ def main(args: Args) -> dict:
             "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
-            "nfe_anchor": nfe_anchor, "nfe_branch": nfe_branch, "nfe_continuation": nfe_continuation,
-            "time_s": time.time() - t0,
+            "nfe_anchor": nfe_anchor, "nfe_continuation": nfe_continuation,
         })
-        metrics["nfe_train"] = metrics["nfe_fwd_bwd"]
-        logger.log(metrics)
 
-        # >>> shared: checkpoint
-        # ---- 3e. Checkpoint ----
-        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
-            save(it + 1)
-    save(it)
-    common.cleanup_runtime()
-    return metrics
-    # <<< shared: checkpoint
+        # >>> shared: loop-end
+        # ---- 3e. Log the line, checkpoint every --save-every iterations ----
+        loop.end(metrics)
+    return loop.finish()                                     # the final checkpoint
+    # <<< shared: loop-end
 
 
 # ---- 4. Entry point ----

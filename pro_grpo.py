@@ -72,14 +72,13 @@ Run:
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; B = prompts per rank; T = sample_steps;
 G_max = group_size; (K_1, ..., K) = funnel, K = funnel[-1]; k_i = checkpoints; x0_hat = preview;
-R_hat = proxy rewards; S = alive (trajectory ids, prompt = id // G_max); G_base = baseline_group.
+R_hat = proxy rewards; S = alive (trajectory ids, prompt = id // G_max); G_base = baseline_group;
+N = trained samples per rank; mb = micro_batch.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +95,7 @@ from common import field
 @dataclass
 class Args:
     # >>> shared: args
-    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
                                          "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
@@ -122,7 +121,7 @@ class Args:
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
-                               "scaling); CPU runs compute in float32")
+                               "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
@@ -145,10 +144,10 @@ class Args:
     updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout")
     clip_range: float = field(1e-4, "PPO ratio clip epsilon")
     adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
     reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
                                     "per-reward (each reward's advantage, then their weighted sum)",
                              choices=common.REWARD_NORMS)
-    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
     funnel: str = field("8,4", "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
                                "from --group-size; the last is the trained group K; '' = no pruning")
     checkpoints: str = field("5,7", "steps done at each checkpoint, e.g. '5,7' (one per funnel size); a checkpoint "
@@ -229,12 +228,13 @@ def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([order[:best], order[n - k + best:]]).sort().values
 
 
-def survivor_advantages(rewards: torch.Tensor, adv_clip: float) -> torch.Tensor:
+def survivor_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """[Pro-GRPO, advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
-    ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4, clamped to +-adv_clip). rewards (B, K) -> (B*K,)."""
+    ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4; the loop clamps the result to +-adv_clip, after the sum
+    over rewards with --reward-norm per-reward). rewards (B, K) -> (B*K,)."""
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, correction=0, keepdim=True)       # population std, as Flow-GRPO's code
-    return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)").clamp(-adv_clip, adv_clip)
+    return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)")
 
 
 def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> tuple[list[int], list[int]]:
@@ -261,95 +261,56 @@ def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> 
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
-    common.at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
-                    time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
-    common.at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
-                    prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch,
-                    sample_steps=args.sample_steps, max_bad_steps=args.max_bad_steps)
-    common.at_least(2, group_size=args.group_size)          # a group-relative advantage needs two samples
-    common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
-    if args.lora_rank:
-        common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    common.random_depth(args.model_path)
-    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
+    rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
-    if args.prompts_per_step % W:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
-    if args.fsdp and (args.lora_rank or W < 2):
-        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
-                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
-    T = args.sample_steps
-    sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, T)  # [Pro-GRPO, funnel]
+    sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, args.sample_steps)  # [Pro-GRPO]
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, expanded group G_max
     K = sizes[-1] if sizes else G                            # trained survivors per prompt
     N = B * K                                                # trained samples per rank per iteration
-    M = args.micro_batch
-    common.at_least(1, updates_per_rollout=args.updates_per_rollout)
+    mb = args.micro_batch
     common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
     common.at_least(0, clip_range=args.clip_range, beta=args.beta)
-    if N % M:
-        raise common.UsageError(f"--micro-batch {M} must divide the {N} trained samples per rank "
-                                f"(prompts-per-step/ranks x last --funnel size)")
-    if (N // M) % args.updates_per_rollout:
-        raise common.UsageError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} "
-                                f"micro-batches per rank; change it or --micro-batch")
+    per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout, "trained samples per rank "
+                                                 "(prompts-per-step/ranks x last --funnel size)")
+    T = args.sample_steps
     T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
     if not (0 < args.timestep_fraction <= 1 and T_train >= 1):
         raise common.UsageError(f"--timestep-fraction {args.timestep_fraction} of --sample-steps {T} trains no step")
     funnel_text = " -> ".join(map(str, [G, *sizes])) + (f" at steps {steps_at}" if sizes else "")
     common.print0(f"ranks {W} | prompts/rank B={B} | funnel {funnel_text} | trained K={K}, samples/rank N={N} | "
-                  f"micro-batch {M} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+                  f"micro-batch {mb} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
 
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
-    common.parse_reward_spec(args.reward)
-    config = dataclasses.asdict(args)
+    reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
+    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
+    reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
-    lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
+    lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
-    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+    if args.fsdp:  # the trained transformer (float32 master weights) and any frozen reference, sharded per block
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    start = run.start                                        # 0, or the iteration of the checkpoint resumed
-    elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
-    logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
-                           history=run.history)
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)
-    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
-
-    def save(iteration):
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
-                                      meta, rt)
-
-    def stop_if_signalled(it):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
-        signum = common.signalled(rt.device)
-        if signum:
-            save(it)
-            raise common.TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
-                                         f"saved; continue with --resume {run.dir}", exit_code=128 + signum)
     # <<< shared: setup-train
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
@@ -366,40 +327,21 @@ def main(args: Args) -> dict:
     def score(x, ids, records):
         """Decodes latents x (n, ...) and scores them against the prompts of trajectories ids: the weighted sum
         (n,) and each reward {name: (n,)}, on CPU."""
-        images = torch.cat([adapter.decode(x[i:i + M]) for i in range(0, len(x), M)])
-        owners = [records[j] for j in (ids // G).tolist()]
-        total, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+        images = torch.cat([adapter.decode(x[i:i + mb]) for i in range(0, len(x), mb)])
+        owners = [records[b] for b in (ids // G).tolist()]
+        total, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=mb)
         return total.cpu(), {name: r.cpu() for name, r in parts.items()}
 
     def group_std(r, n):
         """Mean over prompts of the within-group std of rewards r (B*n,), population form as OVF's Var_K."""
         return rearrange(r, "(b n) -> b n", n=n).std(1, correction=0).mean().item()
 
-    # >>> shared: eval
-    def run_eval(it):
-        with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
-                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:  # a row per prompt
-            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
-        return res
-
-    metrics = {}
-    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
-        stop_if_signalled(it)
-        metrics = {"iteration": it}
-        last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
-        if args.eval_every and (it % args.eval_every == 0 or last):
-            tic = time.time()
-            metrics.update(run_eval(it))
-            t0 += time.time() - tic                          # time_s leaves evaluation out
-        if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed and not args.fsdp:
-                metrics["rank_param_diff"] = common.rank_param_diff(params)
-            metrics["time_s"] = time.time() - t0
-            logger.log(metrics)
+    # >>> shared: loop
+    for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
+        if metrics is None:
             break
-        # <<< shared: eval
+        # <<< shared: loop
 
         # ---- 3a. Rollout: expand, SDE-sample step-major [Flow-GRPO Eq. 9], preview + OVF-prune at checkpoints ----
         # >>> shared: iteration-start
@@ -420,9 +362,9 @@ def main(args: Args) -> dict:
             zs, lps = [z], []                                 # per step: (|S|, ...) and (|S|,), rows = alive
             for k in range(T + 1):
                 if k < T:  # v(z_k): the SDE step's velocity, and the preview's at a checkpoint (no extra call)
-                    v = torch.cat([adapter.velocity(net, z[i:i + M], sigmas[k],
-                                                    common.cond_select(cond, alive[i:i + M] // G))
-                                   for i in range(0, len(alive), M)])   # (|S|, ...)
+                    v = torch.cat([adapter.velocity(net, z[i:i + mb], sigmas[k],
+                                                    common.cond_select(cond, alive[i:i + mb] // G))
+                                   for i in range(0, len(alive), mb)])   # (|S|, ...)
                     nfe_sample += len(alive)
                 if k in steps_at:
                     tic_p = time.time()
@@ -455,25 +397,23 @@ def main(args: Args) -> dict:
             rewards, parts = (proxy, proxy_parts) if static else score(latents[:, -1], alive, records)
         rewards, parts = rewards.to(rt.device), {name: r.to(rt.device) for name, r in parts.items()}
         grouped = rearrange(rewards, "(b k) -> b k", k=K)
-        advantages = reward_fn.advantages(parts, lambda r: survivor_advantages(rearrange(r, "(b k) -> b k", k=K),
-                                                                               math.inf))
+        advantages = reward_fn.advantages(parts, lambda r: survivor_advantages(rearrange(r, "(b k) -> b k", k=K)))
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
-        stop_if_signalled(it)                                # before the first optimizer step: drop the rollout
+        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
-        per_update = (N // M) // args.updates_per_rollout
+        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for j, mb in enumerate(chunk):
-                idx = slice(mb * M, (mb + 1) * M)
+            for m in chunk:
+                idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for k in range(T_train):
-                    sync = j == len(chunk) - 1 and k == T_train - 1  # the update's last backward all-reduces
+                    sync = m == chunk[-1] and k == T_train - 1      # the update's last backward all-reduces
                     z, z_next = latents[idx, k], latents[idx, k + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
@@ -499,7 +439,7 @@ def main(args: Args) -> dict:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
 
-        # ---- 3d. Log ----
+        # ---- 3d. Metrics ----
         zero_std = (grouped.std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         if sizes and rewards.std() > 0 and proxy.std() > 0:  # does the last preview predict the final reward?
@@ -516,18 +456,13 @@ def main(args: Args) -> dict:
             **common.work_done(adapter, reward_fn, work_before, guard),
             "nfe_sample": nfe_sample,
             "flops_vs_flow_grpo": (nfe_sample + train_cost * N * T_train) / baseline_cost,
-            "time_s": time.time() - t0,
         })
-        logger.log(metrics)
 
-        # >>> shared: checkpoint
-        # ---- 3e. Checkpoint ----
-        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
-            save(it + 1)
-    save(it)
-    common.cleanup_runtime()
-    return metrics
-    # <<< shared: checkpoint
+        # >>> shared: loop-end
+        # ---- 3e. Log the line, checkpoint every --save-every iterations ----
+        loop.end(metrics)
+    return loop.finish()                                     # the final checkpoint
+    # <<< shared: loop-end
 
 
 # ---- 4. Entry point ----

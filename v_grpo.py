@@ -32,8 +32,8 @@ Simplifications / readings (where the paper or its summaries leave a choice):
   1. Stratification grid: the rollout's own sigma grid without t = 0 (at t = 0 x_hat = o exactly and the
      self-normalised loss is 0/0): the T points t_0 = 1 ... t_{T-1}, split into N_MC contiguous chunks of
      near-equal size (torch.tensor_split), one point drawn uniformly in each. Whether the paper's "sampler
-     grid" is the rollout grid or a finer one is not stated; `--pair-grid-steps K` stratifies over
-     adapter.sigmas(K) instead.
+     grid" is the rollout grid or a finer one is not stated; `--pair-grid-steps T_pair` stratifies over
+     adapter.sigmas(T_pair) instead.
   2. Each evaluation of L divides by its own detached L1, so rho = 1 exactly at theta = theta_old; the L1 is
      floored at 1e-12 so a pair with x_hat == o gives 0, not NaN.
   3. `--updates-per-rollout N_grad` splits the rollout into N_grad minibatches, one gradient step each, as
@@ -67,13 +67,12 @@ Run:
 Notation: o_i = samples[i]; t_j, eps_j = taus[i, j], eps[i, j]; N_MC = mc_pairs (J in code);
 x_hat_ij = x_hat[i, j]; l_ij = pair_losses; L_i(theta) = surrogate[i]; L_i(theta_old) = surrogate_old[i];
 rho = ratio; A = advantages; eps_clip = clip_range; beta = KL weight; kappa (the paper's eta) = soft_clip;
-N_grad = updates_per_rollout; G = group_size; B = prompts per rank; T = sample_steps.
+N_grad = updates_per_rollout; G = group_size; B = prompts per rank; T = sample_steps;
+T_pair = pair_grid_steps; N = samples per rank; mb = micro_batch.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +89,7 @@ from common import field
 @dataclass
 class Args:
     # >>> shared: args
-    model: str = field("toy", f"model: {', '.join(common.MODELS)}")
+    model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
                                          "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
@@ -116,7 +115,7 @@ class Args:
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
     max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
-                               "scaling); CPU runs compute in float32")
+                               "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay")
     grad_clip: float = field(1.0, "gradient-norm clip")
@@ -136,9 +135,11 @@ class Args:
     sample_steps: int = field(10, "denoising steps T of a training rollout")
     mc_pairs: int = field(4, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
     share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt), "
-                                      "batch (all samples of the iteration, on every rank), sample (nobody: ablation)")
+                                      "batch (all samples of the iteration, on every rank), sample (nobody: ablation)",
+                             choices=("group", "batch", "sample"))
     stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
-    pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(K) minus t = 0; default: sample-steps")
+    pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(T_pair) minus t = 0; default: "
+                                                   "sample-steps")
     self_normalize: bool = field(True, "divide each pair's x-prediction MSE by its stop-gradient L1")
     updates_per_rollout: int = field(2, "gradient steps N_grad per iteration, one per rollout minibatch")
     clip_range: float = field(1e-2, "PPO ratio clip epsilon (inert with one update per rollout)")
@@ -196,7 +197,6 @@ MODEL_DEFAULTS = {
 
 
 # ---- 1. Method functions ----
-PAIR_SHARING = ("group", "batch", "sample")
 BATCH_PAIRS_KEY = 10**9  # generator key of --share-pairs batch: no rank or iteration number reaches it
 
 
@@ -204,11 +204,9 @@ def stratified_times(grid: torch.Tensor, n_mc: int, n_sets: int, generator: torc
                      stratified: bool = True) -> torch.Tensor:
     """[V-GRPO, stratified timestep sampling] (n_sets, n_mc) times from the sampler's grid without t = 0 (reading 1):
     its points are split into n_mc contiguous chunks and one point is drawn uniformly inside each, so every set
-    covers high, middle and low noise. stratified=False draws n_mc points uniformly over the whole grid."""
-    points = grid[grid > 0]                                  # (K,) t_0 = 1 > ... > t_{K-1} > 0
-    if n_mc > len(points):
-        raise common.UsageError(f"--mc-pairs {n_mc} needs at least {n_mc} grid points, the grid has "
-                                f"{len(points)}: raise --pair-grid-steps (or --sample-steps) or lower --mc-pairs")
+    covers high, middle and low noise (n_mc <= the points: main checks --mc-pairs). stratified=False draws n_mc
+    points uniformly over the whole grid."""
+    points = grid[grid > 0]                                  # (T_pair,) t_0 = 1 > ... > t_{T_pair-1} > 0
     if not stratified:
         return points[torch.randint(len(points), (n_sets, n_mc), generator=generator)]
     chunks = torch.arange(len(points)).tensor_split(n_mc)
@@ -232,21 +230,21 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, B: int, G: int, noise_fn, share: s
 
 def x_predictions(adapter, net, o: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor, cond: dict) -> torch.Tensor:
     """[V-GRPO, ELBO surrogate] x_ij = (1 - t_j) o_i + t_j eps_j (the forward process applied to the sample) and
-    the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i); all M*J pairs in one forward (reading 7).
-    o (M, ...), taus (M, J), eps (M, J, ...) -> x_hat (M, J, ...) in float32."""
+    the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i); all n*J pairs in one forward (reading 7).
+    o (n, ...), taus (n, J), eps (n, J, ...) -> x_hat (n, J, ...) in float32."""
     J = taus.shape[1]
-    t = rearrange(taus, "m j -> (m j)")                                  # (M*J,) row m*J + j: pair j of sample m
+    t = rearrange(taus, "i j -> (i j)")                                  # (n*J,) row i*J + j: pair j of sample i
     tb = t.view(-1, *([1] * (o.dim() - 1)))
-    x = (1 - tb) * repeat(o, "m ... -> (m j) ...", j=J) + tb * rearrange(eps, "m j ... -> (m j) ...")
-    v = adapter.velocity(net, x, t, common.cond_repeat(cond, J))        # cond_repeat: the same (m j) order
-    return rearrange(common.x0_prediction(x, v, t), "(m j) ... -> m j ...", j=J)
+    x = (1 - tb) * repeat(o, "i ... -> (i j) ...", j=J) + tb * rearrange(eps, "i j ... -> (i j) ...")
+    v = adapter.velocity(net, x, t, common.cond_repeat(cond, J))        # cond_repeat: the same (i j) order
+    return rearrange(common.x0_prediction(x, v, t), "(i j) ... -> i j ...", j=J)
 
 
 def pair_losses(x_hat: torch.Tensor, o: torch.Tensor, self_normalize: bool = True) -> torch.Tensor:
     """[V-GRPO, adaptive weighting] l_ij = mean_D (x_hat_ij - o_i)^2 / sg(mean_D |x_hat_ij - o_i|).
     x - o = t (v* - v), so this is the v-loss weighted by t^2, self-normalised: the stop-gradient L1 makes
-    every pair's gradient of comparable size across samples and times (reading 2). (M, J)."""
-    d = (x_hat - o.unsqueeze(1)).flatten(2)                              # (M, J, D)
+    every pair's gradient of comparable size across samples and times (reading 2). (n, J)."""
+    d = (x_hat - o.unsqueeze(1)).flatten(2)                              # (n, J, D)
     mse = d.pow(2).mean(2)
     if not self_normalize:
         return mse
@@ -257,7 +255,7 @@ def clipped_objective(surrogate: torch.Tensor, surrogate_old: torch.Tensor, adva
                       clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[V-GRPO, objective] rho_i = exp(L_i(theta_old) - L_i(theta)): log pi ~ -L, one ratio per sample with the
     mean over pairs inside the exp. Returns the per-sample loss max(-A rho, -A clip(rho, 1 - e, 1 + e)) (the
-    negated PPO-clip objective, to minimise) and rho. (M,) each."""
+    negated PPO-clip objective, to minimise) and rho. (n,) each."""
     ratio = torch.exp(surrogate_old - surrogate)
     pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
     return pg, ratio
@@ -265,7 +263,7 @@ def clipped_objective(surrogate: torch.Tensor, surrogate_old: torch.Tensor, adva
 
 def kl_to_old(x_hat: torch.Tensor, x_hat_old: torch.Tensor) -> torch.Tensor:
     """[V-GRPO, KL penalty] D_i = (1/N_MC) sum_j mean_D (x_hat_theta,ij - x_hat_theta_old,ij)^2: the KL to the
-    behaviour policy at the kept pairs (reading 4). (M,)."""
+    behaviour policy at the kept pairs (reading 4). (n,)."""
     return (x_hat - x_hat_old).pow(2).flatten(2).mean(2).mean(1)
 
 
@@ -287,124 +285,63 @@ def soft_clip(advantages: torch.Tensor, kappa: float) -> torch.Tensor:
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
-    common.at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
-                    time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
-    common.at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
-                    prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch,
-                    sample_steps=args.sample_steps, max_bad_steps=args.max_bad_steps)
-    common.at_least(2, group_size=args.group_size)          # a group-relative advantage needs two samples
-    common.at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
-    if args.lora_rank:
-        common.at_least(1e-12, lora_alpha=args.lora_alpha)
-    common.random_depth(args.model_path)
-    rt = common.setup_runtime(args.seed, args.threads, args.dtype)
+    rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
-    if args.prompts_per_step % W:
-        raise common.UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {W} ranks")
-    if args.fsdp and (args.lora_rank or W < 2):
-        raise common.UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
-                                "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
-    M = args.micro_batch
-    common.at_least(1, updates_per_rollout=args.updates_per_rollout)
+    mb = args.micro_batch
     common.at_least(0, clip_range=args.clip_range, soft_clip=args.soft_clip, beta=args.beta, adv_clip=args.adv_clip)
-    if N % M:
-        raise common.UsageError(f"--micro-batch {M} must divide the {N} samples per rank "
-                                f"(prompts-per-step/ranks x group-size)")
-    if (N // M) % args.updates_per_rollout:
-        raise common.UsageError(f"--updates-per-rollout {args.updates_per_rollout} must divide the {N // M} "
-                                f"micro-batches per rank; change it or --micro-batch")
-    T, J = args.sample_steps, args.mc_pairs
-    K = args.pair_grid_steps or T                            # adapter.sigmas(K) has K points above t = 0
-    if args.share_pairs not in PAIR_SHARING:
-        raise common.UsageError(f"--share-pairs {args.share_pairs!r}: choose one of {', '.join(PAIR_SHARING)}")
-    if not 1 <= J <= K:
-        raise common.UsageError(f"--mc-pairs {J} must be between 1 and the {K} grid points above t = 0: change "
+    per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
+    T = args.sample_steps
+    J = args.mc_pairs
+    T_pair = args.pair_grid_steps or T                       # adapter.sigmas(T_pair) has T_pair points above t = 0
+    if not 1 <= J <= T_pair:
+        raise common.UsageError(f"--mc-pairs {J} must be between 1 and the {T_pair} grid points above t = 0: change "
                                 f"it, --pair-grid-steps or --sample-steps")
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {M} ({N // M} "
+    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} ({N // mb} "
                   f"per rollout) | updates/iteration {args.updates_per_rollout} | ODE steps T={T} | pairs N_MC={J} "
-                  f"over {K} grid points, shared per {args.share_pairs}")
+                  f"over {T_pair} grid points, shared per {args.share_pairs}")
 
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
-    common.parse_reward_spec(args.reward)
-    config = dataclasses.asdict(args)
+    reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, config, rt)
+    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
     if run.start > args.iterations:
         raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
                                 f"{args.iterations}: raise --iterations")
     # <<< shared: setup-run
     # >>> shared: setup-model
-    reward_fn = common.build_reward(args.reward, rt.device, args.reward_norm)
+    reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
     transformer = adapter.transformer
-    lora = args.lora_rank > 0
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     # <<< shared: setup-model
     ref = None  # no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout
     # >>> shared: setup-train
-    if args.fsdp:  # the trained transformer (float32 master weights) and the frozen reference, sharded per block
+    if args.fsdp:  # the trained transformer (float32 master weights) and any frozen reference, sharded per block
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    start = run.start                                        # 0, or the iteration of the checkpoint resumed
-    elapsed = common.load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
-    logger = common.Logger(run.dir, rt.is_main, start, wandb_config=config if args.wandb else None,
-                           history=run.history)
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)
-    accuracy_fn = common.toy_accuracy if args.model == "toy" else None
-    t0 = time.time() - elapsed                               # time_s: training seconds, continued across --resume
-
-    def save(iteration):
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return common.save_checkpoint(run.dir, iteration, adapter, params, lora, optimizer, ema, time.time() - t0,
-                                      meta, rt)
-
-    def stop_if_signalled(it):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
-        signum = common.signalled(rt.device)
-        if signum:
-            save(it)
-            raise common.TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
-                                         f"saved; continue with --resume {run.dir}", exit_code=128 + signum)
     # <<< shared: setup-train
-    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0, the rollout grid
-    pair_grid = adapter.sigmas(K)                            # (K+1,) the grid the pair times are drawn from
+    sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
+    pair_grid = adapter.sigmas(T_pair)                       # (T_pair+1,) the grid the pair times are drawn from
 
-    # >>> shared: eval
-    def run_eval(it):
-        with ema.swapped_in() if ema else contextlib.nullcontext():
-            res, rows = common.evaluate(adapter, transformer, eval_prompts, args.eval_images, args.eval_steps,
-                                        reward_fn, rt, seed=args.seed, accuracy_fn=accuracy_fn)
-        if rt.is_main:  # a row per prompt
-            common.save_image_grid(rows, run.dir / f"eval_{it:06d}.png")
-        return res
-
-    metrics = {}
-    for it in tqdm(range(start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
-        stop_if_signalled(it)
-        metrics = {"iteration": it}
-        last = it == args.iterations or common.out_of_time(t0, args.time_budget, rt.device)
-        if args.eval_every and (it % args.eval_every == 0 or last):
-            tic = time.time()
-            metrics.update(run_eval(it))
-            t0 += time.time() - tic                          # time_s leaves evaluation out
-        if last:  # the last line: final evaluation and, under DDP, a check that replicas agree
-            if rt.distributed and not args.fsdp:
-                metrics["rank_param_diff"] = common.rank_param_diff(params)
-            metrics["time_s"] = time.time() - t0
-            logger.log(metrics)
+    # >>> shared: loop
+    for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
+        metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
+        if metrics is None:
             break
-        # <<< shared: eval
+        # <<< shared: loop
 
         # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO, one action] ----
         # >>> shared: iteration-start
@@ -418,8 +355,8 @@ def main(args: Args) -> dict:
         owners = [r for r in records for _ in range(G)]      # (N,) prompt-major: a group is G consecutive rows
         cond = common.cond_repeat(adapter.encode(texts), G)
         transformer.eval()
-        samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + M)),
-                                               adapter.noise(M, gen), sigmas) for i in range(0, N, M)])  # (N, ...) o_i
+        samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + mb)),  # (N, ...) o_i
+                                               adapter.noise(mb, gen), sigmas) for i in range(0, N, mb)])
         t_rollout = time.time() - tic
 
         # [V-GRPO, group-shared timestep-noise pairs; ELBO surrogate] pairs drawn per prompt (or batch); then
@@ -429,8 +366,8 @@ def main(args: Args) -> dict:
         taus, eps = draw_pairs(pair_grid, J, B, G, adapter.noise, args.share_pairs, args.stratified, pair_gen)
         surrogate_old, x_hat_old = [], []                    # (N,) and (N, J, ...)
         with torch.no_grad():
-            for i in range(0, N, M):
-                idx = slice(i, i + M)
+            for i in range(0, N, mb):
+                idx = slice(i, i + mb)
                 x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], common.cond_select(cond, idx))
                 surrogate_old.append(pair_losses(x_hat, samples[idx], args.self_normalize).mean(1))
                 if args.beta > 0:
@@ -442,8 +379,8 @@ def main(args: Args) -> dict:
         # ---- 3b. Rewards -> group-relative advantages, optionally soft-clipped [V-GRPO, advantage soft-clipping] ----
         tic = time.time()
         with torch.no_grad():
-            images = torch.cat([adapter.decode(samples[i:i + M]) for i in range(0, N, M)])
-            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=M)
+            images = torch.cat([adapter.decode(samples[i:i + mb]) for i in range(0, N, mb)])
+            rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=mb)
         advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
         if args.soft_clip > 0:
             advantages = soft_clip(advantages, args.soft_clip)
@@ -452,21 +389,20 @@ def main(args: Args) -> dict:
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: a clipped ratio per sample, KL to theta_old [V-GRPO, objective] ----
-        stop_if_signalled(it)                                # before the first optimizer step: drop the rollout
+        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // M, generator=gen)         # shuffle whole micro-batches: the first is on-policy
-        per_update = (N // M) // args.updates_per_rollout
+        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
         stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm",
                                  "surrogate")}
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for j, mb in enumerate(chunk):
-                idx = slice(mb * M, (mb + 1) * M)
+            for m in chunk:
+                idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
-                with common.no_sync(net, j < len(chunk) - 1):
-                    x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], c)     # (M, J, ...)
-                    surrogate = pair_losses(x_hat, samples[idx], args.self_normalize).mean(1)     # (M,) L(theta)
+                with common.no_sync(net, m != chunk[-1]):     # the update's last backward all-reduces
+                    x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], c)     # (mb, J, ...)
+                    surrogate = pair_losses(x_hat, samples[idx], args.self_normalize).mean(1)     # (mb,) L(theta)
                     pg, ratio = clipped_objective(surrogate, surrogate_old[idx], A, args.clip_range)
                     kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
                     loss = (pg + args.beta * kl).mean()
@@ -486,7 +422,7 @@ def main(args: Args) -> dict:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
 
-        # ---- 3d. Log ----
+        # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
         work = common.work_done(adapter, reward_fn, work_before, guard)
@@ -500,24 +436,19 @@ def main(args: Args) -> dict:
             "adv_abs_max": advantages.abs().max().item(),
             # the paper's variance diagnostics: spread of L(theta_old) over the batch and within groups
             "surrogate_old": surrogate_old.mean().item(),
-            "surrogate_cv": (surrogate_old.std() / surrogate_old.mean()).item() if N > 1 else 0.0,
-            "surrogate_group_cv": (L_old.std(1) / L_old.mean(1)).mean().item() if G > 1 else 0.0,
+            "surrogate_cv": (surrogate_old.std() / surrogate_old.mean()).item(),
+            "surrogate_group_cv": (L_old.std(1) / L_old.mean(1)).mean().item(),
             "t_rollout": t_rollout, "t_surrogate_old": t_surrogate_old, "t_reward": t_reward, "t_update": t_update,
             **work,
             # the paper's NFE accounting per sample: NFE_old = T + N_MC, NFE_theta = N_MC (CFG rows count twice)
             "nfe_old_per_sample": work["nfe_fwd"] / N, "nfe_theta_per_sample": work["nfe_fwd_bwd"] / N,
-            "time_s": time.time() - t0,
         })
-        logger.log(metrics)
 
-        # >>> shared: checkpoint
-        # ---- 3e. Checkpoint ----
-        if args.save_every and (it + 1) % args.save_every == 0 and it + 1 < args.iterations:
-            save(it + 1)
-    save(it)
-    common.cleanup_runtime()
-    return metrics
-    # <<< shared: checkpoint
+        # >>> shared: loop-end
+        # ---- 3e. Log the line, checkpoint every --save-every iterations ----
+        loop.end(metrics)
+    return loop.finish()                                     # the final checkpoint
+    # <<< shared: loop-end
 
 
 # ---- 4. Entry point ----

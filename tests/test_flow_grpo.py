@@ -16,7 +16,6 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert [m["iteration"] for m in lines] == [0, 1, 2]
     for m in lines[:2]:
         assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"]) and math.isfinite(m["grad_norm"])
-        assert m["t_rollout"] > 0 and m["t_update"] > 0
     assert all("eval_reward" in m for m in lines)
     assert ("eval_accuracy" in lines[0]) == (model == "toy")
     assert (tmp_path / "r" / "eval_000000.png").is_file()
@@ -69,11 +68,12 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
 
 
 # ---- bad input: one clear message that names the fix ----
-@pytest.mark.parametrize("model", ["sdxl", "tiny-flux"])
-def test_unknown_model(model, capsys):
+@pytest.mark.parametrize("flag,value", [("--model", "sdxl"), ("--model", "tiny-flux"), ("--dtype", "fp8"),
+                                        ("--reward-norm", "mean")])
+def test_a_value_outside_a_closed_set_is_refused_by_the_command_line(flag, value, capsys):
     with pytest.raises(SystemExit):
-        common.cli(flow_grpo.Args, ["--model", model], flow_grpo.MODEL_DEFAULTS)
-    assert f"unknown --model '{model}'; choose one of toy, flux, sd3" in capsys.readouterr().err
+        common.cli(flow_grpo.Args, [flag, value], flow_grpo.MODEL_DEFAULTS)
+    assert f"argument {flag}: invalid choice: '{value}' (choose from" in capsys.readouterr().err
 
 
 def test_unknown_reward(tmp_path):

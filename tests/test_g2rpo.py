@@ -176,13 +176,17 @@ def test_rollout_branches_share_the_anchor_latent_bit_for_bit(tmp_path, monkeypa
 ])
 def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra, tmp_path):
     """Two iterations on every model path. Before the first optimizer step of an iteration the ratio is exactly 1
-    (and, before any update, the KL to the reference exactly 0); the work split adds up to the hand count."""
+    (and, with a KL, before any update the KL to the reference is exactly 0; after one, on the toy, it is not); the
+    work split adds up to the hand count."""
     run(g2rpo, [*model_argv("g2rpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
                 "--granularities", "1,2", *extra])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
     assert all("eval_reward" in m for m in lines) and ("eval_accuracy" in lines[0]) == (model == "toy")
-    assert lines[0]["kl_first_update"] == 0.0
+    if "--beta" in extra:
+        assert lines[0]["kl_first_update"] == 0.0
+    if model == "toy":  # full fine-tuning moves the policy off its frozen copy: the check above can fail
+        assert lines[1]["kl_first_update"] > 0.0
     B, G, T, K, L = 2, 4, 4, 2, 2
     # per branch, T = 4, Lambda = {1, 2}: k = 0 evaluates t_1, t_2 (shared) and t_3 (stride 1 only) = 3;
     # k = 1 evaluates t_2, t_3, shared (stride 2 ends at t_3 and jumps to 0 as stride 1 steps there) = 2
@@ -191,13 +195,12 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and math.isfinite(m["reward_mean"])
         assert m["ratio_dev_first_update"] == 0.0
         assert m["ratio_dev_max"] > 0.0  # later updates are off-policy: the check can fail
-        assert m["nfe_anchor"] == cfg * B * T and m["nfe_branch"] == 0
+        assert m["nfe_anchor"] == cfg * B * T
         assert m["nfe_continuation"] == cfg * continuation
         reference = cfg * B * K if "--beta" in extra else 0  # one reference forward per prompt and k
         assert m["nfe_fwd"] == m["nfe_anchor"] + m["nfe_continuation"] + reference
-        assert m["nfe_train"] == m["nfe_fwd_bwd"] == cfg * B * K  # one forward per prompt and k
+        assert m["nfe_fwd_bwd"] == cfg * B * K               # one forward per prompt and k
         assert m["decodes"] == m["reward_calls"] == B * K * G * L + B  # every (k, branch, stride) + the anchors
-        assert m["t_rollout"] > 0 and m["t_update"] > 0
     assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
 
 

@@ -48,11 +48,9 @@ def test_ovf_hand_examples_and_tie_break():
 
 def test_survivor_advantages_are_normalised_per_prompt_over_survivors():
     r = torch.tensor([[0.0, 0.5, 1.0, 1.0], [0.2, 0.2, 0.2, 0.6]])
-    A = pro_grpo.survivor_advantages(r, adv_clip=5.0)
+    A = pro_grpo.survivor_advantages(r)
     want = [(x - statistics.mean(row)) / (statistics.pstdev(row) + 1e-4) for row in r.tolist() for x in row]  # np.std
     assert A.tolist() == pytest.approx(want, rel=1e-5)
-    assert pro_grpo.survivor_advantages(r, adv_clip=1.0).tolist() == pytest.approx([max(-1, min(1, a)) for a in want],
-                                                                                  rel=1e-5)
 
 
 def test_parse_funnel_accepts_schedules_and_names_the_flag_on_bad_ones():
@@ -127,7 +125,7 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     for m in lines[:2]:
         for key in ("loss", "reward_mean", "grad_norm", "ovf2_std_before", "ovf3_std_after", "flops_vs_flow_grpo"):
             assert math.isfinite(m[key]), key
-        assert m["t_rollout"] > m["t_preview"] > 0 and m["t_update"] > 0
+        assert m["t_preview"] < m["t_rollout"]              # the previews are a part of the rollout
         assert m["nfe_fwd_bwd"] == rows * 2 * 4 * 3 and m["nfe_sample"] == 2 * (8 + 8 + 8 + 6)
     assert all("eval_reward" in m for m in lines)
     assert ("eval_accuracy" in lines[0]) == (model == "toy")

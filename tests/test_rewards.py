@@ -111,13 +111,11 @@ def test_per_reward_normalisation_by_hand():
             out += [(a - (a + b) / 2) / d, (b - (a + b) / 2) / d]
         return out
     fn = lambda r: flow_grpo.group_advantages(r, 2, global_std=False)  # noqa: E731
-    per = common.WeightedReward("toy,jpeg:0.5", norm="per-reward").advantages(parts, fn)
+    per = common.build_reward("toy,jpeg:0.5", norm="per-reward").advantages(parts, fn)
     expected = [x + 0.5 * y for x, y in zip(by_hand(toy), by_hand(jpeg))]
     assert per.tolist() == pytest.approx(expected, abs=1e-5)
-    summed = common.WeightedReward("toy,jpeg:0.5", norm="sum").advantages(parts, fn)
+    summed = common.build_reward("toy,jpeg:0.5", norm="sum").advantages(parts, fn)
     assert summed.tolist() == pytest.approx(by_hand([t + 0.5 * j for t, j in zip(toy, jpeg)]), abs=1e-5)
-    with pytest.raises(common.UsageError, match="--reward-norm"):
-        common.WeightedReward("toy", norm="mean")
 
 
 def test_a_run_with_two_rewards_logs_each_one(tmp_path):

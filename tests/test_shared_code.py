@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT
 
-SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "eval", "iteration-start", "checkpoint"}
+SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "loop", "iteration-start", "loop-end"}
 TRAINERS = sorted(p.name for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
 
 

@@ -110,12 +110,10 @@ def test_times_are_stratified_one_per_chunk_and_uniform_inside_it():
     assert any(len({chunk_of(t) for t in row.tolist()}) < 4 for row in flat)
 
 
-def test_times_never_hit_zero_and_too_many_pairs_is_refused():
+def test_times_never_hit_zero():
     grid = common.sd3_sigmas(4)                                      # 4 points above 0, then 0
     taus = v_grpo.stratified_times(grid, 4, 50, torch.Generator().manual_seed(0))
     assert (taus > 0).all() and torch.equal(taus, grid[:4].expand(50, 4))  # one point per chunk of size 1
-    with pytest.raises(ValueError, match="--mc-pairs 5 needs at least 5 grid points"):
-        v_grpo.stratified_times(grid, 5, 1, torch.Generator())
 
 
 # ---- ratio, clip, soft-clip ----
@@ -169,7 +167,6 @@ def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extr
         assert m["ratio_dev_first_update"] == 0.0 and m["kl_first_update"] == 0.0
         assert m["nfe_old_per_sample"] == 4 + J and m["nfe_theta_per_sample"] == J   # SMALL: T = 4
         assert m["decodes"] == m["reward_calls"] == 8
-        assert m["t_rollout"] > 0 and m["t_surrogate_old"] > 0 and m["t_update"] > 0
     # later steps are off-policy, so the exactness checks above can fail (a zero-advantage first minibatch
     # moves the weights only by weight decay: look over both iterations, the second has Adam momentum)
     assert max(m["ratio_dev_max"] for m in lines[:2]) > 0.0
@@ -208,9 +205,11 @@ def test_toy_held_out_reward_rises(tmp_path):
 
 
 # ---- bad input: one clear message that names the fix ----
-def test_bad_pair_settings(tmp_path):
-    with pytest.raises(ValueError, match="--share-pairs 'prompt': choose one of group, batch, sample"):
+def test_bad_pair_settings(tmp_path, capsys):
+    with pytest.raises(SystemExit):
         run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--share-pairs", "prompt", "--output-dir", str(tmp_path / "r")])
+    assert "argument --share-pairs: invalid choice: 'prompt' (choose from 'group', 'batch', 'sample')" in \
+        capsys.readouterr().err
     with pytest.raises(ValueError, match="--mc-pairs 5 must be between 1 and the 4 grid points.*--pair-grid-steps"):
         run(v_grpo, [*tiny_argv("v_grpo", "flux"), "--mc-pairs", "5", "--output-dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()                            # refused before anything is written
