@@ -1,0 +1,110 @@
+"""The README's table of defaults, generated from the trainers themselves: one row per model and trainer, each
+cell the effective default of a setting (the `Args` field's default, replaced by the trainer's
+`MODEL_DEFAULTS[model]` for flux and sd3). tests/test_readme.py checks that README.md holds this table.
+
+  python tests/readme_tables.py            # print the table
+  python tests/readme_tables.py --write    # replace the table in README.md with it
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+README = ROOT / "README.md"
+BASELINE = "flow_grpo"
+MODELS = ("toy", "sd3", "flux")
+# The method settings that have a column of their own; every other field after the shared block goes in the
+# last column, as flags.
+COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", "sample_steps", "noise_level",
+           "updates_per_rollout", "clip_range", "beta"}
+HEADER = ("| model | trainer | px | steps: sample / eval | guidance | SDE noise a | prompts x group (micro-batch) "
+          "| updates / clip | fine-tuning | lr | KL weight beta | dtype | EMA / grad. ckpt | reward | iterations "
+          "| eval every / images | the method's other defaults |")
+
+
+def find_trainers() -> list[str]:
+    """The trainers: top-level files carrying the shared-block marker, the baseline first."""
+    names = sorted(p.stem for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
+    return sorted(names, key=lambda name: name != BASELINE)
+
+
+def shared_fields() -> list[str]:
+    """The Args fields of the shared block, the same in every trainer (flow_grpo.py's copy)."""
+    text = (ROOT / f"{BASELINE}.py").read_text()
+    block = text.split("# >>> shared: args\n")[1].split("# <<< shared: args")[0]
+    return re.findall(r"^ +(\w+): ", block, flags=re.M)
+
+
+def effective_defaults(module, model: str) -> dict:
+    """What `python <trainer>.py --model MODEL` runs with: the Args defaults, then MODEL_DEFAULTS[model]."""
+    values = {f.name: f.default for f in dataclasses.fields(module.Args)}
+    return {**values, "model": model, **(module.MODEL_DEFAULTS.get(model, {}) if model != "toy" else {})}
+
+
+def fmt(value) -> str:
+    """A number as Python prints it, exponents without a leading zero (2e-6)."""
+    return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{value:g}") if isinstance(value, float) else str(value)
+
+
+def flags(values: dict, names: list[str]) -> str:
+    """Settings as command-line flags: --name value, --name / --no-name for a switch; a None (derived) is left out."""
+    out = []
+    for name in names:
+        flag, value = "--" + name.replace("_", "-"), values[name]
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            out.append(f"{flag} {fmt(value)}")
+    return f"`{' '.join(out)}`" if out else "-"
+
+
+def guidance(model: str, scale: float | None) -> str:
+    if model == "toy" or scale is None:
+        return "none"
+    if model == "sd3":
+        return f"CFG {fmt(scale)}" if scale > 1 else "none (CFG 1)"
+    return f"embedding {fmt(scale)}"
+
+
+def row(trainer: str, model: str) -> str:
+    module = importlib.import_module(trainer)
+    d = effective_defaults(module, model)
+    get = {name: fmt(value) for name, value in d.items()}.get   # "-": a setting the trainer does not have
+    onoff = {True: "on", False: "off"}
+    tuning = f"LoRA r {d['lora_rank']}, alpha {fmt(d['lora_alpha'])}" if d["lora_rank"] else \
+        "full" + (" + FSDP2" if d["fsdp"] else "")
+    other = [f.name for f in dataclasses.fields(module.Args) if f.name not in set(shared_fields()) | COLUMNS]
+    cells = [model, f"`{trainer}`", common.TOY_SIZE if model == "toy" else d["resolution"],
+             f"{d['sample_steps']} / {d['eval_steps']}", guidance(model, d["guidance_scale"]),
+             get("noise_level", "-"), f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
+             f"{get('updates_per_rollout', '-')} / {get('clip_range', '-')}", tuning, get("lr"), get("beta", "-"),
+             d["dtype"], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}", f"`{d['reward']}`",
+             d["iterations"], f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def defaults_table() -> str:
+    rows = [row(trainer, model) for model in MODELS for trainer in find_trainers()]
+    return "\n".join([HEADER, "|" + "---|" * HEADER.count(" | ") + "---|", *rows]) + "\n"
+
+
+def write_readme(path: Path = README) -> None:
+    """Replaces the table that starts with HEADER in `path` by the current one."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.rstrip("\n") == HEADER)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    path.write_text("".join(lines[:start]) + defaults_table() + "".join(lines[end:]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write_readme()
+    else:
+        print(defaults_table(), end="")
