@@ -68,16 +68,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from helpers import TRAINERS as METHODS  # noqa: E402  (the trainers, found by their marker; flow_grpo first)
 
-
-def find_trainers() -> list[str]:
-    """The trainers are the top-level files carrying the shared-block markers (a forked method joins by being
-    there); the baseline flow_grpo comes first."""
-    names = sorted(p.stem for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
-    return sorted(names, key=lambda name: name != "flow_grpo")
-
-
-METHODS = find_trainers()
 BASELINE = "flow_grpo"
 PALETTE = [(90, 90, 90), (214, 39, 40), (31, 119, 180), (44, 160, 44), (255, 127, 14), (148, 103, 189),
            (140, 86, 75), (227, 119, 194)]
@@ -152,7 +144,7 @@ def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
     import helpers
     args, model_defaults = trainer(method)
     flux = model_defaults["flux"]
-    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE[method])) - NOT_STRUCTURE
+    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE.get(method, {}))) - NOT_STRUCTURE
     restored = {k: flux.get(k, args[k]) for k in sorted(shrunk) if k in args and flux.get(k, args[k]) is not None}
     argv = [*helpers.tiny_argv(method, "flux", drop=("prompts_per_step", *restored)),
             "--prompts-per-step", str(prompts), *helpers.flags(restored)]

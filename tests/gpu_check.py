@@ -38,16 +38,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TRAINERS = ["flow_grpo", "pro_grpo", "g2rpo", "v_grpo"]
+from helpers import TRAINERS  # noqa: E402  (found by their marker: a fork joins with flow_grpo's group)
 FAMILIES = ["flux", "sd3"]
 CUDA_BROKEN = ("CUDA error", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
 
+def two_micro_batches(M):
+    return ["--group-size", 2 * M]
+
+
 # The reduced group, in units of the trainer's micro-batch M (its per-GPU batch at full scale): two micro-batches
-# per prompt, so every trainer's update splits as at full scale. Pro-GRPO expands 4M and prunes to 3M, then 2M;
-# G2RPO branches M ways at 8 sampling steps (its 16-step, 12-branch rollout alone takes minutes per prompt).
+# per prompt, so every trainer's update splits as at full scale (any trainer not listed: two_micro_batches).
+# Pro-GRPO expands 4M and prunes to 3M, then 2M; G2RPO branches M ways at 8 sampling steps (its 16-step,
+# 12-branch rollout alone takes minutes per prompt).
 GROUPS = {
-    "flow_grpo": lambda M: ["--group-size", 2 * M],
-    "v_grpo": lambda M: ["--group-size", 2 * M],
     "pro_grpo": lambda M: ["--group-size", 4 * M, "--funnel", f"{3 * M},{2 * M}", "--baseline-group", 2 * M],
     "g2rpo": lambda M: ["--group-size", max(2, M), "--sample-steps", 8],
 }
@@ -67,7 +70,8 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, iterations: i
     argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
             "--reward", "pickscore-random", "--iterations", iterations, "--eval-every", 0, "--save-every", 0,
             "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
-            "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing", *GROUPS[trainer](M)]
+            "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing",
+            *GROUPS.get(trainer, two_micro_batches)(M)]
     if module.MODEL_DEFAULTS[family].get("fsdp"):  # one GPU: the LoRA alternative to a sharded full fine-tune
         argv += ["--no-fsdp", "--lora-rank", 64, "--lora-alpha", 128, "--lr", 1e-4]
     if gpu:

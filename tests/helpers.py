@@ -3,14 +3,27 @@ sizes."""
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 import common
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_trainers(root: Path = ROOT) -> list[str]:
+    """The trainers: the top-level files carrying the shared-block marker (a forked method joins by being there),
+    as module names, the baseline flow_grpo first."""
+    names = sorted(p.stem for p in root.glob("*.py") if "# >>> shared: args" in p.read_text())
+    return sorted(names, key=lambda name: name != "flow_grpo")
+
+
+TRAINERS = find_trainers()
 
 # FLUX.1-dev's and SD3.5-Medium's structure (guidance embedding, CLIP + T5, dynamic shift; two CLIPs + T5, qk-norm,
 # dual attention) at a few thousand parameters, for common.build_pipeline.
@@ -103,7 +116,7 @@ def tiny_argv(trainer: str, family: str, drop: tuple[str, ...] = ()) -> list[str
     """The argv of a smoke run of `trainer` (a module name, e.g. "flow_grpo") on the tiny `family` pipeline:
     --model family --model-path <tiny_pipeline>, then every key of SMOKE and TRAINER_SMOKE[trainer] set explicitly
     over the trainer's family table, except the keys in `drop` (those keep the table's value, else the toy one)."""
-    values = {**SMOKE, **TRAINER_SMOKE[trainer]}
+    values = {**SMOKE, **TRAINER_SMOKE.get(trainer, {})}
     unknown = set(drop) - set(values)
     assert not unknown, f"tiny_argv: {sorted(unknown)} are not smoke-run settings"
     return ["--model", family, "--model-path", tiny_pipeline(family),
@@ -114,9 +127,20 @@ def model_argv(trainer: str, model: str) -> list[str]:
     """--model toy, or a smoke run on the tiny flux / sd3 pipeline (`tiny_argv`)."""
     return ["--model", "toy"] if model == "toy" else tiny_argv(trainer, model)
 
-# Small sizes for fast in-process runs of any trainer on any model.
-SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
-         "--eval-images", "8", "--eval-steps", "4", "--eval-every", "1", "--threads", "1"]
+
+# Small sizes for fast in-process runs of any trainer on any model: SMALL, or small(without=...) naming what it
+# leaves to the trainer's own defaults.
+SMALL_SIZES = {"prompts_per_step": 2, "group_size": 4, "micro_batch": 4, "sample_steps": 4, "eval_images": 8,
+               "eval_steps": 4, "eval_every": 1, "threads": 1}
+
+
+def small(without: tuple[str, ...] = ()) -> list[str]:
+    """The flags of SMALL_SIZES except the keys in `without`."""
+    assert set(without) <= set(SMALL_SIZES), f"small: {sorted(set(without) - set(SMALL_SIZES))} are not in SMALL"
+    return flags({k: v for k, v in SMALL_SIZES.items() if k not in without})
+
+
+SMALL = small()
 
 
 def run(module, argv: list[str]) -> dict:
@@ -132,20 +156,43 @@ def read_metrics(run_dir) -> list[dict]:
 
 def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_path) -> tuple[list[dict], list[dict]]:
     """Runs `total` iterations straight (tmp_path/straight), and `split` then --resume to `total` (tmp_path/split);
-    returns both metrics.jsonl without the timings (keys starting with t), which differ between runs."""
+    returns both metrics.jsonl without the timings, which differ between runs."""
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "split")
     run(module, [*argv, "--iterations", str(total), "--output-dir", straight])
     run(module, [*argv, "--iterations", str(split), "--output-dir", resumed])
     run(module, [*argv, "--iterations", str(total), "--output-dir", resumed, "--resume", resumed])
-    drop = lambda ms: [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in ms]  # noqa: E731
-    return drop(read_metrics(straight)), drop(read_metrics(resumed))
+    return without_timings(read_metrics(straight)), without_timings(read_metrics(resumed))
 
 
-def torchrun(script: str, argv: list[str], port: int, nproc: int = 2) -> str:
-    """Runs a trainer as `nproc` gloo processes under torchrun (one thread each); asserts success, returns stdout."""
+def without_timings(lines: list[dict]) -> list[dict]:
+    """Metrics lines without the wall-clock keys (t_rollout, t_update, ..., time_s), which differ between runs."""
+    return [{k: v for k, v in m.items() if not (k.startswith("t_") or k == "time_s")} for m in lines]
+
+
+def trained_params(run_dir, iteration: int) -> list:
+    """The exact trainable tensors a run saved at `iteration` (its training_state.pt)."""
+    path = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}" / "training_state.pt"
+    return torch.load(path, weights_only=False)["params"]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for torchrun's rendezvous: tests never share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(script, argv: list[str], nproc: int = 2, port: int | None = None) -> list[str]:
+    """The command that runs `script` (a path, or a file name in the checkout) as `nproc` processes under torchrun
+    on one machine, on a free port unless `port` is given."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={port or free_port()}", str(ROOT / script), *map(str, argv)]
+
+
+def torchrun(script, argv: list[str], nproc: int = 2) -> str:
+    """Runs `script` as `nproc` gloo processes under torchrun (one thread each); asserts success, returns stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           str(ROOT / script), *argv]
+    cmd = torchrun_cmd(script, argv, nproc)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from helpers import TRAINERS  # noqa: E402
 
 README = ROOT / "README.md"
 BASELINE = "flow_grpo"
@@ -27,12 +28,6 @@ COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", 
 HEADER = ("| model | trainer | px | steps: sample / eval | guidance | SDE noise a | prompts x group (micro-batch) "
           "| updates / clip | fine-tuning | lr | KL weight beta | dtype | EMA / grad. ckpt | reward | iterations "
           "| eval every / images | the method's other defaults |")
-
-
-def find_trainers() -> list[str]:
-    """The trainers: top-level files carrying the shared-block marker, the baseline first."""
-    names = sorted(p.stem for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
-    return sorted(names, key=lambda name: name != BASELINE)
 
 
 def shared_fields() -> list[str]:
@@ -91,7 +86,7 @@ def row(trainer: str, model: str) -> str:
 
 
 def defaults_table() -> str:
-    rows = [row(trainer, model) for model in MODELS for trainer in find_trainers()]
+    rows = [row(trainer, model) for model in MODELS for trainer in TRAINERS]
     return "\n".join([HEADER, "|" + "---|" * HEADER.count(" | ") + "---|", *rows]) + "\n"
 
 

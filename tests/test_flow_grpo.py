@@ -6,7 +6,8 @@ import torch
 
 import common
 import flow_grpo
-from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv, tiny_pipeline, torchrun
+from helpers import (SMALL, model_argv, read_metrics, run, small, straight_and_resumed, tiny_argv, tiny_pipeline,
+                     torchrun)
 
 
 @pytest.mark.parametrize("model", ["toy", "flux", "sd3"])
@@ -28,7 +29,7 @@ def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """Before the first optimizer step the recomputed log-probs equal the rollout's: ratio exactly 1, and
     the KL of the policy to the reference (itself, before any update) exactly 0."""
     run(flow_grpo, [*model_argv("flow_grpo", model), "--iterations", "1", "--eval-every", "0",
-                    "--output-dir", str(tmp_path / "r"), *SMALL[:-4], *extra])
+                    "--output-dir", str(tmp_path / "r"), *small(without=("eval_every", "threads")), *extra])
     m = read_metrics(tmp_path / "r")[0]
     assert m["ratio_dev_first_update"] == 0.0
     assert m["kl_first_update"] == 0.0
@@ -47,7 +48,7 @@ def test_resume_equals_straight_run(tmp_path):
 
 def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path):
     run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "2", "--eval-every", "0", "--lr", "1e-2",
-                    "--output-dir", str(tmp_path / "r"), *SMALL[:-4]])
+                    "--output-dir", str(tmp_path / "r"), *small(without=("eval_every", "threads"))])
     from diffusers import FluxPipeline
     pipe = FluxPipeline.from_pretrained(tiny_pipeline("flux"))
     kw = dict(prompt=["a photo of a cat"], height=32, width=32, num_inference_steps=3, output_type="latent",
@@ -61,7 +62,7 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(tmp_path):
 
 def test_torchrun_two_ranks_stay_identical(tmp_path):
     stdout = torchrun("flow_grpo.py", [*tiny_argv("flow_grpo", "sd3"), "--iterations", "2", "--prompts-per-step", "4",
-           "--output-dir", str(tmp_path / "r"), *SMALL[2:]], port=29533)
+           "--output-dir", str(tmp_path / "r"), *small(without=("prompts_per_step",))])
     assert "ranks 2 | prompts/rank B=2" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0
@@ -139,10 +140,11 @@ def test_time_budget_ends_the_run_like_its_last_iteration(tmp_path, monkeypatch)
     monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
     r = tmp_path / "r"
     run(flow_grpo, ["--iterations", "50", "--time-budget", "7", "--eval-every", "10", "--output-dir", str(r),
-                    *SMALL[:-4], "--threads", "1"])
+                    *small(without=("eval_every",))])
     lines = read_metrics(r)
     assert calls == [7.0] * 3 and [m["iteration"] for m in lines] == [0, 1, 2]
     assert "eval_reward" in lines[0] and "eval_reward" not in lines[1] and "eval_reward" in lines[2]
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002"
     with pytest.raises(ValueError, match="is at iteration 2, past --iterations 1"):
-        run(flow_grpo, ["--iterations", "1", "--output-dir", str(r), "--resume", str(r), *SMALL[:-4], "--threads", "1"])
+        run(flow_grpo, ["--iterations", "1", "--output-dir", str(r), "--resume", str(r),
+                        *small(without=("eval_every",))])

@@ -9,17 +9,13 @@ from diffusers import FluxTransformer2DModel
 
 import common
 import flow_grpo
-from helpers import ROOT, read_metrics, run, tiny_argv, tiny_pipeline, torchrun
+from helpers import ROOT, read_metrics, run, tiny_argv, tiny_pipeline, torchrun, without_timings
 
 SIZES = ["--lora-rank", "0", "--lr", "1e-3", "--prompts-per-step", "4", "--eval-images", "8", "--eval-every", "1",
          "--threads", "1"]
 RUNS = {"flow_grpo": ["--group-size", "4", "--micro-batch", "4", "--sample-steps", "4", "--eval-steps", "4",
                       "--beta", "0.01"],   # a KL term: the frozen reference is sharded too
         "g2rpo": []}                       # its smoke-run sizes: groups of 2, 4 steps, strides {1, 2, 3}
-
-
-def without_timings(lines: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("t") and k != "rank_param_diff"} for m in lines]
 
 
 def transformer_at(run_dir, iteration: int) -> dict:
@@ -33,13 +29,13 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
     reduce-scatters the gradients where DDP all-reduces them: the same sums in another order, about 1e-7 apart
     after AdamW)."""
     argv = [*tiny_argv(trainer, "flux"), *SIZES, *RUNS[trainer], "--iterations", "2"]
-    port = 29571 if trainer == "flow_grpo" else 29575
-    torchrun(f"{trainer}.py", [*argv, "--output-dir", str(tmp_path / "ddp")], port=port)
-    stdout = torchrun(f"{trainer}.py", [*argv, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], port=port + 2)
+    torchrun(f"{trainer}.py", [*argv, "--output-dir", str(tmp_path / "ddp")])
+    stdout = torchrun(f"{trainer}.py", [*argv, "--fsdp", "--output-dir", str(tmp_path / "fsdp")])
     assert "ranks 2" in stdout
     ddp, fsdp = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "fsdp")
     assert ddp[-1]["rank_param_diff"] == 0.0 and "rank_param_diff" not in fsdp[-1]  # shards differ by design
-    a, b = without_timings(ddp), without_timings(fsdp)
+    a, b = ([{k: v for k, v in m.items() if k != "rank_param_diff"} for m in without_timings(lines)]  # DDP only
+            for lines in (ddp, fsdp))
     assert [sorted(m) for m in a] == [sorted(m) for m in b]
     for ma, mb in zip(a, b):
         for key in ma:
@@ -58,10 +54,9 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
 def test_fsdp_resume_equals_a_straight_run(tmp_path):
     argv = [*tiny_argv("flow_grpo", "flux"), *SIZES, *RUNS["flow_grpo"], "--fsdp", "--ema"]  # the EMA is sharded too
     straight, split = tmp_path / "straight", tmp_path / "split"
-    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(straight)], port=29581)
-    torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(split)], port=29583)
-    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(split), "--resume", str(split)],
-             port=29585)
+    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(straight)])
+    torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(split)])
+    torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(split), "--resume", str(split)])
     assert without_timings(read_metrics(straight)) == without_timings(read_metrics(split))
     a, b = transformer_at(straight, 3), transformer_at(split, 3)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -74,8 +69,8 @@ def test_fsdp_state_saved_on_2_ranks_loads_on_3(tmp_path):
     script = tmp_path / "reshard.py"
     script.write_text(f"import sys\nfrom pathlib import Path\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
                       "import test_fsdp\ntest_fsdp.reshard(sys.argv[1], Path(sys.argv[2]))\n")
-    torchrun(str(script), ["save", str(tmp_path)], port=29587)
-    torchrun(str(script), ["load", str(tmp_path)], port=29589, nproc=3)
+    torchrun(str(script), ["save", str(tmp_path)])
+    torchrun(str(script), ["load", str(tmp_path)], nproc=3)
     assert (tmp_path / "loaded").read_text() == "3 ranks"
 
 

@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from helpers import ROOT, SMALL, read_metrics, tiny_argv
+from helpers import ROOT, free_port, read_metrics, small, tiny_argv, trained_params, without_timings
 
-ARGV = ["--iterations", "2", "--prompts-per-step", "4", *SMALL[2:]]
+ARGV = ["--iterations", "2", "--prompts-per-step", "4", *small(without=("prompts_per_step",))]
 
 
 def launch(launcher_args: list[str], out, env) -> subprocess.Popen:
@@ -23,21 +23,12 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def without_timings(lines: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in lines]
-
-
-def final_params(run_dir) -> list[torch.Tensor]:
-    state = torch.load(run_dir / "checkpoints" / "iter_000002" / "training_state.pt", weights_only=False)
-    return state["params"]
-
-
 def test_two_nodes_on_loopback_train_what_one_node_with_two_processes_trains(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     one = tmp_path / "one_node"
-    finish(launch(["--nproc_per_node=2", "--master_port=29561"], one, env))
+    finish(launch(["--nproc_per_node=2", f"--master_port={free_port()}"], one, env))
     two = tmp_path / "two_nodes"
-    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29563",
+    rdzv = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--rdzv-id=loopback"]
     nodes = [launch([*rdzv, f"--node-rank={r}"], two, env) for r in (0, 1)]
     stdout = [finish(p) for p in nodes]
@@ -47,5 +38,5 @@ def test_two_nodes_on_loopback_train_what_one_node_with_two_processes_trains(tmp
     assert without_timings(a) == without_timings(b)
     assert b[-1]["rank_param_diff"] == 0.0                       # the two nodes' replicas agree
     assert all(m["grad_norm"] > 0 for m in b[:-1])                # the weights did move
-    for x, y in zip(final_params(one), final_params(two), strict=True):
+    for x, y in zip(trained_params(one, 2), trained_params(two, 2), strict=True):
         assert torch.equal(x, y)

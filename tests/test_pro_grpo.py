@@ -150,7 +150,7 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Each rank prunes its own prompts' groups; the gradients still all-reduce into identical replicas."""
     argv = [*tiny_argv("pro_grpo", "sd3"), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL,
             "--prompts-per-step", "4"]
-    stdout = torchrun("pro_grpo.py", argv, port=29541)
+    stdout = torchrun("pro_grpo.py", argv)
     assert "ranks 2 | prompts/rank B=2 | funnel 8 -> 6 -> 4" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0

@@ -10,9 +10,8 @@ import pytest
 
 import common
 import readme_tables
-from helpers import ROOT, run
+from helpers import ROOT, TRAINERS, run
 
-TRAINERS = readme_tables.find_trainers()
 README = (ROOT / "README.md").read_text()
 # Logged only in special cases the toy run below does not take: the weights' spread across DDP ranks (last line of
 # a multi-process DDP run).

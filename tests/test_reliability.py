@@ -17,9 +17,9 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun
+from helpers import (ROOT, SMALL, TRAINERS, read_metrics, run, small, tiny_argv, torchrun, torchrun_cmd,
+                     trained_params, without_timings)
 
-TRAINERS = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]
 TOY = ["--model", "toy", *SMALL]
 
 
@@ -36,15 +36,6 @@ def strict_lines(run_dir) -> list[dict]:
         with contextlib.suppress(json.JSONDecodeError):   # a line cut short: the readers skip it
             json.loads(line, parse_constant=refuse)
     return read_metrics(run_dir)
-
-
-def params_of(run_dir, iteration):
-    state = torch.load(run_dir / "checkpoints" / f"iter_{iteration:06d}" / "training_state.pt", weights_only=False)
-    return state["params"]
-
-
-def without_timings(lines):
-    return [{k: v for k, v in m.items() if not k.startswith("t") or k == "iteration"} for m in lines]
 
 
 def nan_reward(on_calls, rank=None):
@@ -72,7 +63,7 @@ def test_a_nan_reward_skips_the_steps_it_poisons_and_logs_null(tmp_path, monkeyp
     assert [m.get("skipped_steps") for m in lines] == [0, 2, 0, None]
     assert lines[1]["reward_mean"] is None and lines[1]["loss"] is None      # NaN written as null
     assert lines[2]["grad_norm"] is not None
-    assert all(torch.isfinite(p).all() for p in params_of(r, 3))
+    assert all(torch.isfinite(p).all() for p in trained_params(r, 3))
 
 
 def test_non_finite_steps_in_a_row_stop_the_run_and_the_last_checkpoint_is_intact(tmp_path, monkeypatch):
@@ -97,8 +88,8 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_nobody_hangs(tmp_path):
                       "common.REWARDS['toy'] = nan_reward({3}, rank=1)\n"
                       "common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)\n")
     r = tmp_path / "r"
-    torchrun(str(script), [*TOY[:2], *SMALL[2:], "--prompts-per-step", "4", "--iterations", "3", "--eval-every",
-                           "0", "--no-global-std", "--output-dir", str(r)], port=29541)
+    torchrun(str(script), ["--model", "toy", *small(without=("prompts_per_step",)), "--prompts-per-step", "4",
+                           "--iterations", "3", "--eval-every", "0", "--no-global-std", "--output-dir", str(r)])
     lines = strict_lines(r)
     assert [m.get("skipped_steps") for m in lines] == [0, 1, 0, None]
     assert lines[-1]["rank_param_diff"] == 0.0
@@ -299,7 +290,7 @@ def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, 
 def test_trainable_tensors_that_do_not_fit_name_the_first_that_differs(tmp_path):
     a = tmp_path / "a"
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
-    saved = params_of(a, 1)
+    saved = trained_params(a, 1)
     wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
     with pytest.raises(common.UsageError, match=r"trainable tensor 0 has shape \(4, 32\) there and \(8, 32\)"):
         common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, None, None)
@@ -335,15 +326,15 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_a_straight_one(tmp_path)
     run(flow_grpo, [*argv, "--output-dir", str(r), "--resume", str(r)])
     run(flow_grpo, [*argv, "--output-dir", str(tmp_path / "straight")])
     assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
-    assert all(torch.equal(x, y) for x, y in zip(params_of(r, 12), params_of(tmp_path / "straight", 12)))
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 12), trained_params(tmp_path / "straight", 12)))
 
 
 def test_sigterm_to_torchrun_stops_both_ranks_with_a_checkpoint_that_resumes_exactly(tmp_path):
-    argv = [*TOY[:2], *SMALL[2:], "--prompts-per-step", "4", "--iterations", "12", "--eval-every", "4"]
+    argv = ["--model", "toy", *small(without=("prompts_per_step", "eval_every")), "--prompts-per-step", "4",
+            "--iterations", "12", "--eval-every", "4"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     r = tmp_path / "r"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29543",
-           str(ROOT / "flow_grpo.py"), *argv, "--output-dir", str(r)]
+    cmd = torchrun_cmd("flow_grpo.py", [*argv, "--output-dir", r])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     wait_for_lines(r, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -351,10 +342,10 @@ def test_sigterm_to_torchrun_stops_both_ranks_with_a_checkpoint_that_resumes_exa
     assert proc.returncode != 0 and "stopped by SIGTERM at iteration" in err, err[-3000:]
     stopped_at = int(err.split("stopped by SIGTERM at iteration ")[1].split(",")[0])
     assert (r / "checkpoints" / f"iter_{stopped_at:06d}").is_dir()
-    torchrun("flow_grpo.py", [*argv, "--output-dir", str(r), "--resume", str(r)], port=29544)
-    torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")], port=29545)
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(r), "--resume", str(r)])
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")])
     assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
-    assert all(torch.equal(x, y) for x, y in zip(params_of(r, 12), params_of(tmp_path / "straight", 12)))
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 12), trained_params(tmp_path / "straight", 12)))
 
 
 # ---- bad input: one line that names the fix, before any model loads ----
@@ -420,7 +411,7 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
     module = importlib.import_module(trainer)
     out = ["--output-dir", str(tmp_path / "never"), *FITS_SMALL.get(trainer, [])]
     cases = [(["--prompts", path], message) for path, message in bad_prompt_files(tmp_path)]
-    cases += BAD_FLAGS + METHOD_FLAGS[trainer]
+    cases += BAD_FLAGS + METHOD_FLAGS.get(trainer, [])
     for flags, message in cases:
         err = one_error_line(capsys, module, [*TOY, *out, *flags])
         assert message in err, (flags, err)

@@ -15,7 +15,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, tiny_argv
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +198,9 @@ def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
                       "import common, flow_grpo\nfrom test_rewards import failing_reward\n"
                       "common.REWARDS['toy'] = failing_reward('1')\n"
                       "common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29591", str(script),
-           "--prompts-per-step", "4", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
-           "--iterations", "3", "--eval-every", "0", "--threads", "1", "--output-dir", str(tmp_path / "r")]
+    cmd = torchrun_cmd(script, ["--prompts-per-step", "4", "--group-size", "4", "--micro-batch", "4",
+                                "--sample-steps", "4", "--iterations", "3", "--eval-every", "0", "--threads", "1",
+                                "--output-dir", tmp_path / "r"])
     tic = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})

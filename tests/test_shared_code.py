@@ -7,10 +7,11 @@ import re
 
 import pytest
 
+import helpers
 from helpers import ROOT
 
 SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "loop", "iteration-start", "loop-end"}
-TRAINERS = sorted(p.name for p in ROOT.glob("*.py") if "# >>> shared: args" in p.read_text())
+TRAINERS = [f"{name}.py" for name in helpers.TRAINERS]
 
 
 def shared_blocks(path) -> dict[str, str]:
@@ -21,12 +22,16 @@ def shared_blocks(path) -> dict[str, str]:
     return blocks
 
 
-def test_trainers_are_found_by_their_markers():
-    assert {"flow_grpo.py", "pro_grpo.py", "g2rpo.py", "v_grpo.py"} <= set(TRAINERS)
-    assert "common.py" not in TRAINERS
-    import benchmark                                   # the benchmark compares the same trainers
-    assert sorted(benchmark.METHODS) == sorted(name.removesuffix(".py") for name in TRAINERS)
-    assert benchmark.METHODS[0] == "flow_grpo"         # the baseline comes first
+def test_trainers_are_found_by_their_markers(tmp_path):
+    assert set(helpers.TRAINERS) == {"flow_grpo", "pro_grpo", "g2rpo", "v_grpo"} and helpers.TRAINERS[0] == "flow_grpo"
+    (tmp_path / "my_method.py").write_text((ROOT / "flow_grpo.py").read_text())   # a fork joins by being there
+    (tmp_path / "common.py").write_text((ROOT / "common.py").read_text())
+    (tmp_path / "flow_grpo.py").write_text((ROOT / "flow_grpo.py").read_text())
+    assert helpers.find_trainers(tmp_path) == ["flow_grpo", "my_method"]
+    import benchmark
+    import gpu_check
+    import readme_tables                               # one list everywhere: nothing to register for a fork
+    assert benchmark.METHODS is gpu_check.TRAINERS is readme_tables.TRAINERS is helpers.TRAINERS
 
 
 def test_flow_grpo_marks_the_shared_blocks():

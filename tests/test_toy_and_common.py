@@ -150,7 +150,7 @@ def test_tiny_argv_is_the_family_at_smoke_run_sizes(trainer, family):
     """The tests' smoke runs: the trainer's flux / sd3 table, every smoke-run size and the trainer's own set over
     it, then the command line; a dropped size keeps the table's value."""
     module = importlib.import_module(trainer)
-    table, smoke = module.MODEL_DEFAULTS[family], {**helpers.SMOKE, **helpers.TRAINER_SMOKE[trainer]}
+    table, smoke = module.MODEL_DEFAULTS[family], {**helpers.SMOKE, **helpers.TRAINER_SMOKE.get(trainer, {})}
     args = common.cli(module.Args, [*helpers.tiny_argv(trainer, family), "--iterations", "5"], module.MODEL_DEFAULTS)
     assert (args.model, args.model_path) == (family, helpers.tiny_pipeline(family))
     assert args.iterations == 5                                                     # the command line wins

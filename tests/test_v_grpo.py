@@ -7,7 +7,7 @@ import torch
 
 import common
 import v_grpo
-from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv, torchrun
+from helpers import SMALL, model_argv, read_metrics, run, small, straight_and_resumed, tiny_argv, torchrun
 
 
 class ConstantVelocity:
@@ -186,7 +186,8 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Two ranks, each with its own prompts and one shared set of pairs (--share-pairs batch): DDP must keep the
     replicas equal through the single surrogate forward and backward per micro-batch."""
     stdout = torchrun("v_grpo.py", [*tiny_argv("v_grpo", "flux"), "--iterations", "2", "--prompts-per-step", "4",
-           "--share-pairs", "batch", "--output-dir", str(tmp_path / "r"), *SMALL[2:], "--eval-every", "0"], port=29537)
+           "--share-pairs", "batch", "--output-dir", str(tmp_path / "r"),
+           *small(without=("prompts_per_step", "eval_every")), "--eval-every", "0"])
     assert "ranks 2 | prompts/rank B=2" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0
