@@ -1,27 +1,27 @@
 """Shared nouns for the four trainers: flow math, runtime and CLI, models, rewards, prompts, logging and
 checkpoints, evaluation. Method logic lives in the trainers; this file names no method, except where the SDE
-step comes from (section 1's header).
+step comes from (section 1).
 
 Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise,
 velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
 
 Sections, in reading order:
   1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
-  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse with per-model defaults, and the
-     plumbing of the trainers' loop (shared flags, checkpoints, signals, evaluation, the log)
-  3. Models: the adapter interface (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
-  4. Rewards: name -> scorer (toy, jpeg, PickScore, CLIP score, HPS v2.1, aesthetic, OCR, ImageReward), weighted
-     sums and how they make advantages, remote scorers and their server (`python common.py serve-reward`)
+  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse, the trainers' shared loop
+  3. Models: the adapters (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
+  4. Rewards: scorers, weighted sums and their advantages, remote scorers (`python common.py serve-reward`)
   5. Prompts
   6. Logging and checkpoints, labelled image grids
-  7. Evaluation, and scoring a trained model from the command line (`python common.py evaluate`)
+  7. Evaluation, also from the command line (`python common.py evaluate`)
   Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
-  Appendix B. Offline pipelines: the published architectures with random weights, full or reduced depth
+  Appendix B. Offline pipelines: the published architectures with random weights
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -94,9 +94,9 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, s) -> torch.Tensor:
 
 
 def sde_std(t, s, noise_level: float, t_cap: float):
-    """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s). At t = 1 the
-    denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point, as the
-    official sampler does. Returns (g, std) as float32 tensors. The one place the std is computed."""
+    """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s), as float32 tensors.
+    At t = 1 the denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point, as
+    the official sampler does."""
     t = torch.as_tensor(t, dtype=torch.float32)
     s = torch.as_tensor(s, dtype=torch.float32)
     g = noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, torch.as_tensor(t_cap, dtype=torch.float32), t)))
@@ -126,9 +126,8 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std) -> torch.Tensor:
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, t_cap: float,
              next_x: torch.Tensor | None = None, generator: torch.Generator | None = None):
-    """One SDE step from t to s: the Gaussian of `sde_mean_std`. If `next_x` is given (training: the stored
-    sample) its log-prob is evaluated; otherwise a sample is drawn with `generator`. With noise_level = 0
-    this is exactly the Euler step (and the log-prob, meaningless, is 0).
+    """One SDE step from t to s. If `next_x` is given (training: the stored sample) its log-prob is evaluated;
+    otherwise a sample is drawn with `generator`. With noise_level = 0 the log-prob, meaningless, is 0.
     Returns (next_x, log_prob (B,), mean, std), all float32."""
     mean, std = sde_mean_std(x, v, t, s, noise_level, t_cap)
     if next_x is None:
@@ -152,7 +151,7 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
-    dtype: torch.dtype  # the model's compute (autocast) dtype: --dtype bf16 / fp16 on GPU, float32 on CPU
+    dtype: torch.dtype  # the compute (autocast) dtype: --dtype bf16 / fp16 on GPU, float32 on CPU
 
     @property
     def is_main(self) -> bool:
@@ -167,8 +166,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") -> Runtime:
-    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank.
-    `dtype` (a key of DTYPES) is the compute dtype on GPU; CPU runs compute in float32."""
+    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -233,9 +231,9 @@ def at_least(minimum: float, **flags):
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
-    """`python <trainer>.py ...`: parses the command line, runs main with SIGTERM / SIGINT turned into a request
-    to checkpoint and stop (`signalled`), and reports a UsageError or TrainingStopped as one line on stderr,
-    exiting with status 2 or the stop's status, without a traceback."""
+    """`python <trainer>.py ...`: parses the command line and runs main with SIGTERM / SIGINT turned into a
+    request to checkpoint and stop (`signalled`). A UsageError or TrainingStopped is one line on stderr and exit
+    status 2 or the stop's own, without a traceback."""
     prog = Path(sys.argv[0]).name
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -265,19 +263,7 @@ def _on_signal(signum, frame):
 
 def signalled(device) -> int:
     """The number of a SIGTERM / SIGINT received by any rank since the start, else 0; all ranks agree."""
-    got = torch.tensor([float(_SIGNALLED["signum"])], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(got, op=dist.ReduceOp.MAX)
-    return int(got.item())
-
-
-def broadcast_object(obj):
-    """Rank 0's `obj` on every rank (identity on one process)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return int(all_ranks([_SIGNALLED["signum"]], device, dist.ReduceOp.MAX)[0])
 
 
 def field(default, help: str, **kwargs):
@@ -285,48 +271,65 @@ def field(default, help: str, **kwargs):
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
-def model_overrides(model: str, model_defaults: dict) -> dict:
-    """The defaults that replace the Args fields' own (the toy run) for `model`: the trainer's table for flux /
-    sd3, none for toy."""
-    return dict(model_defaults.get(model, {}))
-
-
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
     """Parses the command line into `args_cls`, a dataclass whose fields carry the toy defaults and help
-    strings. `--model` is read first, so that `--help` and every field left unset take that model's defaults
-    (`model_overrides`)."""
+    strings. `--model` is read first, so that `--help` and every field left unset take that model's entry of
+    `model_defaults` (the trainer's table for flux / sd3; the toy has none)."""
     doc = " ".join((sys.modules["__main__"].__doc__ or "").split("\n\n")[0].split())
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--model", default=fields["model"].default)
     model = pre.parse_known_args(argv)[0].model
     parser = argparse.ArgumentParser(description=f"{doc} Defaults shown are those of --model {model}.")
-    defaults = {k: v for k, v in model_overrides(model, model_defaults or {}).items() if k in fields}
+    defaults = {k: v for k, v in (model_defaults or {}).get(model, {}).items() if k in fields}
     for f in fields.values():
         default = defaults.get(f.name, f.default)
         typ = str(f.type).replace(" | None", "")
         help_ = f.metadata.get("help", "") + ("" if default is None else f" (default: {default})")
-        if typ == "bool":
-            parser.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction,
-                                default=default, help=help_)
-        else:
-            parser.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float}.get(typ, str),
-                                default=default, help=help_, choices=f.metadata.get("choices"))
+        kind = {"action": argparse.BooleanOptionalAction} if typ == "bool" else \
+            {"type": {"int": int, "float": float}.get(typ, str), "choices": f.metadata.get("choices")}
+        parser.add_argument("--" + f.name.replace("_", "-"), default=default, help=help_, **kind)
     return args_cls(**vars(parser.parse_args(argv)))
 
 
+# Collectives: each is the identity (or a no-op) on one process.
 def barrier():
     if dist.is_initialized():
         dist.barrier()
 
 
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ranks(values: list, device, op) -> list[float]:
+    """A few numbers reduced over ranks with `op` (dist.ReduceOp.MAX: any rank's flag, MIN: every rank's)."""
+    t = torch.tensor([float(v) for v in values], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
-    """Concatenates a tensor of equal shape from every rank (rank order); identity on one process."""
+    """Concatenates a tensor of equal shape from every rank (rank order)."""
     if not dist.is_initialized():
         return x
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x.contiguous())
     return torch.cat(out)
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x
 
 
 def rank_param_diff(params: list[torch.Tensor]) -> float:
@@ -346,28 +349,10 @@ def no_sync(net: torch.nn.Module, skip: bool):
     return net.no_sync() if skip and hasattr(net, "no_sync") else contextlib.nullcontext()
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an FSDP2 tensor (a DTensor); any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= dist.get_world_size()
-    return x
-
-
 def out_of_time(t0: float, budget: float, device) -> bool:
     """`--time-budget`: True once `budget` seconds have passed since t0 on any rank, so that all ranks stop at
     the same iteration; a budget of 0 never runs out."""
-    if budget <= 0:
-        return False
-    over = torch.tensor([float(time.time() - t0 >= budget)], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-    return bool(over.item())
+    return budget > 0 and bool(all_ranks([time.time() - t0 >= budget], device, dist.ReduceOp.MAX)[0])
 
 
 # The plumbing every trainer shares: its flags checked, the micro-batch split, and the loop around the method.
@@ -395,8 +380,8 @@ def setup_training(args) -> Runtime:
 
 def micro_batches_per_update(n: int, micro_batch: int, updates: int,
                              samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
-    """n samples per rank in micro-batches of `micro_batch`, trained in `updates` optimizer steps: the
-    micro-batches of one step. A UsageError names the flag to change unless both split evenly."""
+    """The micro-batches of one optimizer step: n samples per rank in micro-batches of `micro_batch`, trained
+    in `updates` steps. A UsageError names the flag to change unless both split evenly."""
     at_least(1, updates_per_rollout=updates)
     if n % micro_batch:
         raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
@@ -409,8 +394,8 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 class TrainingLoop:
     """What a trainer's loop does around its method: the clock (training seconds, evaluation left out, continued
     across --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints
-    every --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA: it
-    loads the run's checkpoint into them, if there is one, before the log is opened.
+    every --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into
+    which it loads the run's checkpoint, if there is one.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -432,7 +417,7 @@ class TrainingLoop:
         self.it, self.metrics = run.start, {}
 
     def seconds(self) -> float:
-        """Training seconds so far: evaluation left out, continued across --resume (the log's time_s)."""
+        """Training seconds so far (the log's time_s)."""
         return time.time() - self.t0
 
     def save(self, iteration: int) -> Path:
@@ -505,8 +490,7 @@ class TrainingLoop:
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict)
-# flux and sd3 wrap the real diffusers pipelines; the toy adapter is in Appendix A, random-weight pipelines in
-# Appendix B.
+# The toy adapter is in Appendix A, random-weight pipelines in Appendix B.
 MODELS = ("toy", "flux", "sd3")
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
 
@@ -548,12 +532,15 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to the compute dtype on GPU; on CPU everything runs in float32."""
+    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def instrument(adapter):
-    """Counts the work done through an adapter in `adapter.counts`: transformer evaluations (rows through the
-    forward pass; "fwd" without grad, i.e. sampling, and "fwd_grad" with grad, each followed by a backward;
-    CFG's two branches count as two rows) and VAE decodes. A closure, so a frozen copy of the transformer
-    (deepcopy keeps the same function) counts into the same place."""
-    import collections
+    """Counts in `adapter.counts` the rows through the transformer ("fwd" without grad, i.e. sampling;
+    "fwd_grad" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
+    on the module, so a deepcopy of the transformer (the frozen reference) counts into the same place."""
     counts = adapter.counts = collections.Counter()
 
     def hook(module, args, kwargs, out):
@@ -572,9 +559,9 @@ def instrument(adapter):
 
 
 def work_done(adapter, reward_fn, before: dict, guard) -> dict:
-    """Per-iteration work since `before` (a snapshot of adapter.counts, reward_fn.calls and guard.skipped):
-    transformer evaluations (rows) without grad (nfe_fwd: sampling, reference policy) and with grad
-    (nfe_fwd_bwd: each also has a backward pass), VAE decodes, images scored, optimizer steps skipped."""
+    """The work of one iteration, since `before` (a snapshot of adapter.counts, reward_fn.calls and
+    guard.skipped): transformer rows without grad (nfe_fwd) and with grad and a backward (nfe_fwd_bwd), VAE
+    decodes, images scored, optimizer steps skipped."""
     now = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
     names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
              "skipped_steps": "skipped_steps"}
@@ -582,12 +569,9 @@ def work_done(adapter, reward_fn, before: dict, guard) -> dict:
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the pre-trained network: the reference policy under full fine-tuning (made before any
-    sharding; --fsdp then shards it like the trained one, fully_shard_model)."""
-    import copy
-    ref = copy.deepcopy(module).eval()
-    ref.requires_grad_(False)
-    return ref
+    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network, made before any
+    sharding (--fsdp then shards it like the trained one)."""
+    return copy.deepcopy(module).eval().requires_grad_(False)
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -596,22 +580,20 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
-    """--fsdp (full fine-tuning): FSDP2's fully_shard on each transformer block, then on the root, over all
-    ranks. The trained weights become float32 master shards (DTensors), cast block by block as they are
-    sharded, so no rank ever holds the whole model in float32; on GPU a MixedPrecisionPolicy gathers them in the
-    run's dtype for compute and reduces gradients in float32. The frozen reference `ref` is sharded the same way
-    in its own dtype. Returns the trainable parameters: this rank's shards."""
+    """--fsdp: FSDP2's fully_shard on each transformer block, then on the root, over all ranks. The trained
+    weights become float32 master shards (DTensors), cast block by block as they are sharded, so no rank ever
+    holds the whole model in float32; on GPU they are gathered in the compute dtype and gradients reduced in
+    float32. The frozen reference `ref` is sharded the same way in its own dtype. Returns this rank's shards
+    of the trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
         else MixedPrecisionPolicy()
-    for module, master in ((transformer, torch.float32), (ref, None)):
-        if module is None:
-            continue
+    for module in (m for m in (transformer, ref) if m is not None):
         for block in transformer_blocks(module) + [module]:
-            if master is not None:  # what is not sharded yet: this block, or the root's own layers
+            if module is transformer:  # what is not sharded yet: this block, or the root's own layers
                 for q in block.parameters():
                     if not hasattr(q, "to_local"):
-                        q.data = q.data.to(master)
+                        q.data = q.data.to(torch.float32)
             fully_shard(block, mp_policy=mp)
     return [q for q in transformer.parameters() if q.requires_grad]
 
@@ -632,25 +614,66 @@ class FluxFamilyAdapter:
     transformer: torch.nn.Module
     guidance_scale: float | None = None
 
-    def _autocast(self):
-        on_gpu = self.device.type == "cuda"
-        return torch.autocast("cuda", dtype=self.dtype) if on_gpu else contextlib.nullcontext()
-
     def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b) if torch.as_tensor(t).dim() == 0 \
-            else torch.as_tensor(t, dtype=torch.float32, device=self.device)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), float(self.guidance_scale), device=self.device, dtype=torch.float32)
-        with self._autocast():  # t in float32 (the transformer rounds it to its own dtype, as the pipeline does)
+            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
+        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
             out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t, guidance=guidance,
                       pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
                       txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
         return out.float()
 
 
-class FluxAdapter(FluxFamilyAdapter):
+class PipelineAdapter:
+    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
+    the transformer (or its LoRA) trainable."""
+
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
+                 offload_encoders: bool):
+        _freeze_pipeline(pipe, device, dtype, offload_encoders)
+        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
+        self.device, self.dtype, self.resolution = device, dtype, resolution
+        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        self.offload_encoders = offload_encoders
+
+    @contextlib.contextmanager
+    def encoders_on_device(self):
+        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
+        9.5 GB in bf16)."""
+        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
+        for m in encoders if self.offload_encoders else []:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m in encoders if self.offload_encoders else []:
+                m.to("cpu")
+
+    def vae_decode(self, latents):
+        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
+        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_lora(self, path, state_dict):
+        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+
+
+def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
+    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
+    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            offload = offload_encoders and name.startswith("text_encoder")
+            module.requires_grad_(False).eval().to("cpu" if offload else device)
+            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
+            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
+                module.to(dtype=want)
+
+
+class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
     """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
 
     lora_targets = FLUX_LORA_TARGETS
@@ -660,11 +683,7 @@ class FluxAdapter(FluxFamilyAdapter):
         f = pipe.vae_scale_factor
         if resolution % (2 * f):
             raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for FLUX")
-        _freeze_pipeline(pipe, device, dtype, offload_encoders)
-        self.offload_encoders = offload_encoders
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
         self.h = 2 * (resolution // (2 * f))  # latent side before packing
         self.channels = self.transformer.config.in_channels // 4
         self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
@@ -672,7 +691,7 @@ class FluxAdapter(FluxFamilyAdapter):
 
     @torch.no_grad()
     def encode(self, prompts):
-        with encoders_on_device(self):
+        with self.encoders_on_device():
             embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
                                                                    max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
@@ -688,16 +707,13 @@ class FluxAdapter(FluxFamilyAdapter):
 
     @torch.no_grad()
     def decode(self, x):
-        x = self.pipe._unpack_latents(x.float(), self.resolution, self.resolution, self.pipe.vae_scale_factor)
-        return _vae_decode(self.vae, x)
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
+                                                         self.pipe.vae_scale_factor))
 
 
-class SD3Adapter:
-    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch,
-    as the pipeline does), static shift 3, timesteps 1000 t."""
+class SD3Adapter(PipelineAdapter):
+    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
+    pipeline does), static shift 3, timesteps 1000 t."""
 
     lora_targets = SD3_LORA_TARGETS
 
@@ -706,11 +722,7 @@ class SD3Adapter:
         f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
         if resolution % f:
             raise ValueError(f"--resolution {resolution} must be a multiple of {f} for SD3")
-        _freeze_pipeline(pipe, device, dtype, offload_encoders)
-        self.offload_encoders = offload_encoders
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
         self.h = resolution // pipe.vae_scale_factor
         self.channels = self.transformer.config.in_channels
         self.negative = None
@@ -723,7 +735,7 @@ class SD3Adapter:
 
     @torch.no_grad()
     def encode(self, prompts):
-        with encoders_on_device(self):
+        with self.encoders_on_device():
             if self.negative is None and self.guidance_scale > 1:
                 self.negative = self._encode([""])
             return self._encode(prompts)
@@ -740,12 +752,10 @@ class SD3Adapter:
         embeds, pooled = cond["prompt_embeds"], cond["pooled"]
         cfg = self.guidance_scale > 1
         if cfg:  # [uncond, cond] in one batch, like the pipeline
-            x = torch.cat([x, x])
-            t = torch.cat([t, t])
+            x, t = torch.cat([x, x]), torch.cat([t, t])
             embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
             pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
-        ctx = torch.autocast("cuda", dtype=self.dtype) if self.device.type == "cuda" else contextlib.nullcontext()
-        with ctx:  # the timestep in float32, as the pipeline passes it: in bf16, 913.35 would become 912
+        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
             out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t * 1000, encoder_hidden_states=embeds,
                       pooled_projections=pooled, return_dict=False)[0].float()
         if cfg:
@@ -755,45 +765,7 @@ class SD3Adapter:
 
     @torch.no_grad()
     def decode(self, x):
-        return _vae_decode(self.vae, x.float())
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
-
-
-def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
-    """Frozen text encoders in `dtype` on `device` (on the CPU with offload_encoders), the transformer in
-    weight_dtype(dtype), the VAE in float32."""
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            offload = offload_encoders and name.startswith("text_encoder")
-            module.requires_grad_(False).eval().to("cpu" if offload else device)
-            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
-            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
-                module.to(dtype=want)
-
-
-@contextlib.contextmanager
-def encoders_on_device(adapter):
-    """--offload-encoders: the text encoders move to the compute device for an encode and back to the CPU after
-    (T5-XXL alone is 9.5 GB in bf16); without it they stay on the device."""
-    encoders = [m for name, m in adapter.pipe.components.items() if name.startswith("text_encoder") and m is not None]
-    if adapter.offload_encoders:
-        for m in encoders:
-            m.to(adapter.device)
-    try:
-        yield
-    finally:
-        if adapter.offload_encoders:
-            for m in encoders:
-                m.to("cpu")
-
-
-def _vae_decode(vae, latents):
-    """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
-    latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+        return self.vae_decode(x.float())
 
 
 # The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
@@ -803,7 +775,7 @@ def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: lis
     trainable parameters (kept in float32 master precision)."""
     if rank <= 0:
         transformer.requires_grad_(True)
-        return [p for p in transformer.parameters()]
+        return list(transformer.parameters())
     from peft import LoraConfig
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
@@ -866,21 +838,18 @@ class EMA:
 
 
 def finite(tensors: list[torch.Tensor], device) -> bool:
-    """True if every tensor on every rank holds only finite numbers."""
-    ok = torch.tensor([float(all(bool(torch.isfinite(local(x.detach())).all()) for x in tensors))], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    """True if every tensor on every rank holds only finite numbers (of an FSDP2 DTensor: this rank's shard)."""
+    ok = all(bool(torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all())
+             for x in tensors)
+    return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
 class StepGuard:
     """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN or inf on any
-    rank: a non-finite reward, advantage or loss shows there. Counts the skips (`skipped`) and stops the run
-    after `max_bad` non-finite steps in a row, before anything non-finite is saved.
-
-    With `loss_scaling` (fp16 compute) the losses are scaled (torch.amp.GradScaler) so small gradients survive
-    fp16; a step skipped for an overflow while every loss was finite is the scaler's own back-off (it halves the
-    scale) and does not count towards `max_bad`."""
+    rank (where a non-finite reward, advantage or loss shows). Counts the skips (`skipped`) and stops the run
+    after `max_bad` in a row, before anything non-finite is saved. With `loss_scaling` (fp16 compute) a GradScaler
+    scales the losses so small gradients survive fp16; a skip for an overflow while every loss was finite is the
+    scaler's own back-off (it halves the scale) and does not count towards `max_bad`."""
 
     def __init__(self, max_bad: int, device, loss_scaling: bool = False):
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
@@ -899,10 +868,8 @@ class StepGuard:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
-        flags = torch.tensor([float(torch.isfinite(norm.detach())), float(self.losses_finite)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        stepped, losses_finite = bool(flags[0].item()), bool(flags[1].item())
+        flags = all_ranks([torch.isfinite(norm.detach()), self.losses_finite], self.device, dist.ReduceOp.MIN)
+        stepped, losses_finite = map(bool, flags)
         if stepped:
             optimizer.step()
         if self.scaler is not None:
