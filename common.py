@@ -983,8 +983,7 @@ def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
     x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
     (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
     x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
-    mean = torch.tensor(config["image_mean"], device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(config["image_std"], device=x.device).view(1, -1, 1, 1)
+    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
     return (x - mean) / std
 
 
@@ -1018,7 +1017,7 @@ class _CLIPSimilarity:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None):
-        return (self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor).float()
+        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
 
 
 class PickScore(_CLIPSimilarity):
@@ -1160,9 +1159,10 @@ def edit_distance(a: str, b: str) -> int:
 
 def ocr_reward(recognised: str, prompt: str) -> float:
     """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
-    text between its first two double quotes (prompt.split('"')[1]), or the whole prompt if it has none; both
-    strings are lower-cased with all whitespace removed. d = 0 when the target occurs in the recognised text,
-    else their edit distance capped at len(target). An empty target scores 1 (the official code divides by 0)."""
+    text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
+    has none. Both strings are lower-cased with all whitespace removed (not only spaces: lines are read here
+    newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance capped at
+    len(target). An empty target scores 1 (the official code divides by 0)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
     if target in text:
@@ -1171,13 +1171,11 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 
 class OCRScore:
-    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. The texts read
-    by the last call are in `last_texts`.
-
-    The reader is GOT-OCR 2.0 (561M parameters) in place of the official PaddleOCR: it ships inside transformers
-    and reads whole images. Its processor gets the plain OCR prompt and 8-bit pixels through the PIL backend, so
-    that preprocessing is the same with or without torchvision. Decoding is greedy and batched, up to
-    max_new_tokens or <|im_end|> / <|endoftext|>, passed explicitly: the checkpoint's generation config sets none."""
+    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
+    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
+    official PaddleOCR; its processor gets 8-bit pixels through the PIL backend, the same preprocessing with or
+    without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
+    explicitly: the checkpoint's generation config sets no end token."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -1264,11 +1262,10 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 class RemoteReward:
-    """A scorer in another process or machine, reached over HTTP (the protocol: README, Rewards; the reference
-    server: `python common.py serve-reward`). Each call POSTs one JSON batch of prompts, their records and images
-    (base64 .npy uint8 (H, W, 3)) and reads {"scores": [one finite number per image]} back. A failed request is
-    retried `retries` times with doubling waits, then the run stops naming the URL; a wrong count or a non-finite
-    score stops it at once: never a silent zero in the advantages."""
+    """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A failed
+    request is retried `retries` times with doubling waits, then the run stops naming the URL; a wrong count or a
+    non-finite score stops it at once: never a silent zero in the advantages."""
 
     def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
@@ -1307,7 +1304,7 @@ class RemoteReward:
         if scores is None or len(scores) != len(encoded) or not all(map(math.isfinite, scores)):
             raise TrainingStopped(f"reward server {self.url} sent {text[:200]!r} for {len(encoded)} images: expected "
                                   f'{{"scores": [{len(encoded)} finite numbers]}}')
-        return torch.tensor(scores, dtype=torch.float32)
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
 
 def serve_reward(argv=None):
@@ -1406,9 +1403,9 @@ class WeightedReward:
             return group_advantage(self.total(parts))
         return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
 
-    def means(self, parts: dict, prefix: str = "reward_") -> dict:
+    def means(self, parts: dict) -> dict:
         """Each scorer's mean over every rank, for the logs: {"reward_<name>": mean}."""
-        return {prefix + short_reward_name(name): all_reduce_mean(parts[name].float().mean()).item()
+        return {f"reward_{short_reward_name(name)}": all_reduce_mean(parts[name].float().mean()).item()
                 for name in self.weights}
 
 
@@ -1425,9 +1422,9 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # =============================================================================================
 # 5. Prompts
 # =============================================================================================
-def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
+def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
     """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line) or a
-    .jsonl file (one object a line: "prompt", optional "split": "train"/"eval"; without splits every k-th record
+    .jsonl file (one object a line: "prompt", optional "split": "train"/"eval"; without splits every 10th record
     is held out). Without a path: the toy's held-out pairs (train and eval) for the toy model, else
     assets/prompts.txt. A bad file raises a UsageError naming the file and line."""
     if path is None:
@@ -1458,7 +1455,7 @@ def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tu
                 raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
             if rec.get("split", "train") not in ("train", "eval"):
                 raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
-        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # the toy reward reads them mid-run
+        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
             raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
                              f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
         recs.append(rec)
@@ -1471,9 +1468,8 @@ def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tu
             raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
                              f"without a split train too)")
     else:
-        k = max(2, round(1 / eval_fraction))
-        evals = recs[::k] if len(recs) >= 2 else recs
-        train = [r for i, r in enumerate(recs) if i % k] or recs
+        evals = recs[::10]
+        train = [r for i, r in enumerate(recs) if i % 10] or recs
     return train, evals or train[:1]
 
 
