@@ -1160,9 +1160,9 @@ def edit_distance(a: str, b: str) -> int:
 def ocr_reward(recognised: str, prompt: str) -> float:
     """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
     text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
-    has none. Both strings are lower-cased with all whitespace removed (not only spaces: lines are read here
-    newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance capped at
-    len(target). An empty target scores 1 (the official code divides by 0)."""
+    has none. Both strings are lower-cased with every whitespace character removed (not only spaces: the lines
+    read come newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance
+    capped at len(target). An empty target scores 1 (the official code divides by 0)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
     if target in text:
