@@ -889,8 +889,7 @@ class StepGuard:
 
 # =============================================================================================
 # 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32.
-#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None; only scorers that
-#    need it read it.
+#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None.
 # =============================================================================================
 class ToyReward:
     """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
@@ -902,11 +901,8 @@ class ToyReward:
         return toy_reward(images, prompts).to(self.device)
 
 
-class ToySoftReward:
+class ToySoftReward(ToyReward):
     """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
-
-    def __init__(self, device="cpu"):
-        self.device = device
 
     def __call__(self, images, prompts, metadata=None):
         return toy_soft_reward(images, prompts).to(self.device)
@@ -919,35 +915,42 @@ class JpegCompressibility:
         self.device = device
 
     def __call__(self, images, prompts, metadata=None):
-        from PIL import Image
         sizes = []
-        for a in _to_uint8(images).permute(0, 2, 3, 1).numpy():
+        for im in _pil_images(images):
             buf = io.BytesIO()
-            Image.fromarray(a).save(buf, format="JPEG", quality=95)
+            im.save(buf, format="JPEG", quality=95)
             sizes.append(-buf.tell() / 1000)
         return torch.tensor(sizes, dtype=torch.float32, device=self.device)
 
 
-def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
-    """CLIPImageProcessor's steps on [0, 1] tensors, on their device: bicubic antialiased resize of the
-    shortest side, centre crop (floor offsets, as transformers), normalise by image_mean / image_std."""
-    def hw(size):
-        if isinstance(size, int):
-            return size, size
-        if size.get("height") is not None:
-            return size["height"], size["width"]
-        return size["shortest_edge"]
+def _pil_images(images: torch.Tensor) -> list:
+    """(N,3,H,W) in [0, 1] -> N 8-bit RGB PIL images."""
+    from PIL import Image
+    return [Image.fromarray(a) for a in _to_uint8(images).permute(0, 2, 3, 1).numpy()]
 
-    x = images.float()
-    size = hw(config["size"])
-    if isinstance(size, int):  # shortest side -> size, long side truncated
-        h, w = x.shape[-2:]
-        size = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
+
+def hub_file(repo_or_folder: str, filename: str) -> str:
+    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
+    if Path(repo_or_folder).is_dir():
+        return str(Path(repo_or_folder) / filename)
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_or_folder, filename)
+
+
+def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
+    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
+    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
+    as transformers), normalise by image_mean / image_std."""
+    x, size, crop = images.float(), config["size"], config["crop_size"]
+    if size.get("height") is not None:
+        size = (size["height"], size["width"])
+    else:
+        s, (h, w) = size["shortest_edge"], x.shape[-2:]
+        size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
     x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    (ch, cw), (h, w) = hw(config["crop_size"]), x.shape[-2:]
+    (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
     x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
-    mean = torch.tensor(config["image_mean"], device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(config["image_std"], device=x.device).view(1, -1, 1, 1)
+    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
     return (x - mean) / std
 
 
@@ -968,30 +971,25 @@ class _CLIPSimilarity:
         from transformers import CLIPModel
         return CLIPModel.from_pretrained(model_id, dtype=dtype)
 
-    @staticmethod
-    def _embedding(out) -> torch.Tensor:
-        # transformers 5 returns an output object whose pooler_output holds the projected embedding
-        # (what CLIPModel.forward uses for logits_per_image); transformers 4 returns that tensor itself.
-        return out if isinstance(out, torch.Tensor) else out.pooler_output
-
     @torch.no_grad()
     def cosine(self, images, prompts) -> torch.Tensor:
         """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
         pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
         text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                               return_tensors="pt").to(self.device)
-        img = self._embedding(self.model.get_image_features(pixel_values=pixels)).float()
-        txt = self._embedding(self.model.get_text_features(**text)).float()
-        return F.cosine_similarity(img, txt, dim=-1)
+        # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
+        img, txt = self.model.get_image_features(pixel_values=pixels), self.model.get_text_features(**text)
+        img, txt = (e if isinstance(e, torch.Tensor) else e.pooler_output for e in (img, txt))
+        return F.cosine_similarity(img.float(), txt.float(), dim=-1)
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None):
-        return (self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor).float()
+        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
 
 
 class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (a CLIP-H fine-tuned on human preferences): its logit 100 cos / 26, the scale of the official
-    GRPO trainers (typical values 0.8-0.9). The processor comes from the CLIP-H repository it was fine-tuned from."""
+    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
+    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
 
     divisor = 26.0
 
@@ -1001,8 +999,7 @@ class PickScore(_CLIPSimilarity):
 
 
 class CLIPScore(_CLIPSimilarity):
-    """CLIP ViT-L/14 logit 100 cos / 30, the official GRPO trainers' clipscore (not Hessel et al.'s
-    2.5 max(cos, 0))."""
+    """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
 
     divisor = 30.0
 
@@ -1059,11 +1056,9 @@ def openclip_to_clip(state_dict: dict) -> dict:
 
 
 class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (Wu et al.; an OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores
-    it, no logit scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel
-    (openclip_to_clip) rather than run by open_clip_torch, which needs torchvision, whose wheels on the package index
-    are CUDA builds that do not import beside torch's CPU build: so it needs only the required packages and gets
-    PickScore's preprocessing. The config, tokenizer and image processor are those of CLIP-H (processor_id)."""
+    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
+    scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
+    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id)."""
 
     def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
                  processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
@@ -1073,7 +1068,7 @@ class HPSv2(_CLIPSimilarity):
     def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
         from transformers import CLIPConfig, CLIPModel
         path = hub_file(model_id, self.filename)
-        # the file is {"state_dict": open_clip tensors} (what hpsv2 loads): weights_only runs no pickled code
+        # the file is {"state_dict": open_clip tensors}: weights_only runs no pickled code
         weights = openclip_to_clip(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
         with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
             model = CLIPModel(CLIPConfig.from_pretrained(processor_id))
@@ -1089,13 +1084,12 @@ class HPSv2(_CLIPSimilarity):
         return model
 
     def __call__(self, images, prompts, metadata=None):
-        return self.cosine(images, prompts)  # hpsv2's score: no logit scale
+        return self.cosine(images, prompts)
 
 
 class Aesthetic:
-    """The LAION aesthetic predictor v2 (improved-aesthetic-predictor, `sac+logos+ava1-l14-linearMSE.pth`): CLIP
-    ViT-L/14's image embedding, L2-normalised, into its linear MLP head (no activations; dropout is off at
-    inference). A 1-10 rating scale (typical 5-6.5); the prompt is not read."""
+    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
+    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
@@ -1118,14 +1112,6 @@ class Aesthetic:
         return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
 
 
-def hub_file(repo_or_folder: str, filename: str) -> str:
-    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
-    if Path(repo_or_folder).is_dir():
-        return str(Path(repo_or_folder) / filename)
-    from huggingface_hub import hf_hub_download
-    return hf_hub_download(repo_or_folder, filename)
-
-
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
     if len(a) < len(b):
@@ -1139,14 +1125,11 @@ def edit_distance(a: str, b: str) -> int:
 
 
 def ocr_reward(recognised: str, prompt: str) -> float:
-    """The text-rendering (OCR) reward, as the official OcrScorer defines it: 1 - d / len(target), in [0, 1].
-
-    The target is the prompt's text after its first double quote, up to the next one (prompt.split('"')[1], so an
-    unmatched quote takes the rest); a prompt without quotes is its own target. Target and recognised text are
-    lower-cased with every whitespace character removed (the official code removes spaces from strings whose OCR
-    lines it joins with nothing; here lines come separated by newlines). d = 0 when the target occurs inside the
-    recognised text, else their edit distance capped at len(target): unrelated extra text costs at most the whole
-    target. An empty target occurs in every text, so it scores 1 (the official code divides by zero there)."""
+    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
+    text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
+    has none. Both strings are lower-cased with every whitespace character removed (not only spaces: the lines
+    read come newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance
+    capped at len(target). An empty target scores 1 (the official code divides by 0)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
     if target in text:
@@ -1155,18 +1138,11 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 
 class OCRScore:
-    """The text-rendering reward: ocr_reward(the text read in the image, prompt) in [0, 1], 1 when the
-    prompt's quoted text is legible in the image. Unlike the official scorer, a failed read raises (never a silent 0).
-
-    The reader is GOT-OCR 2.0 (GotOcr2ForConditionalGeneration, 561M parameters: a 90M SAM-B-style vision encoder
-    and a Qwen2-0.5B decoder) in place of the official PaddleOCR: it ships inside transformers, which the project
-    already requires (no second OCR package, no paddle), reads a whole image (scene text, not only a cropped line),
-    and runs offline once its weights are in the hub cache. It gets its processor's plain whole-image OCR prompt and
-    8-bit pixels through the processor's PIL backend (bicubic resize to 1024 x 1024, CLIP normalisation), forced so
-    that preprocessing is the same with or without torchvision. Decoding is greedy and batched; it stops at
-    <|im_end|> (where the model card's example stops) or <|endoftext|> (the original GOT's end of sequence), passed
-    explicitly since the checkpoint's generation config sets no end token, or after max_new_tokens (128: several
-    hundred characters, far more than a prompt's quoted text). The texts read by the last call are in `last_texts`."""
+    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
+    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
+    official PaddleOCR; its processor gets 8-bit pixels through the PIL backend, the same preprocessing with or
+    without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
+    explicitly: the checkpoint's generation config sets no end token."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -1186,9 +1162,7 @@ class OCRScore:
     @torch.no_grad()
     def recognise(self, images: torch.Tensor) -> list[str]:
         """The text read in each image (N,3,H,W) in [0, 1]."""
-        from PIL import Image
-        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
-        inputs = self.processor([Image.fromarray(a) for a in pixels], num_image_tokens=self.num_image_tokens,
+        inputs = self.processor(_pil_images(images), num_image_tokens=self.num_image_tokens,
                                 return_tensors="pt").to(self.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
@@ -1203,12 +1177,9 @@ class OCRScore:
 
 
 class ImageRewardScore:
-    """ImageReward v1.0 (Xu et al.: BLIP ViT-L with a reward head trained on human rankings), its raw score (about
-    -2 to 2, standardised on its training set) through the `image-reward` package, one image and its prompt at a
-    time. That package cannot share the trainer's environment: its BLIP code imports names that transformers 4.56
-    and later lack (`apply_chunking_to_forward`, from `transformers.modeling_utils`) and needs torchvision. So it
-    runs in an environment of its own, behind `python common.py serve-reward --reward imagereward` (README,
-    Rewards)."""
+    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
+    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
+    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
 
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
@@ -1221,9 +1192,7 @@ class ImageRewardScore:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None):
-        from PIL import Image
-        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
-        scores = [float(self.model.score(prompt, Image.fromarray(im))) for prompt, im in zip(prompts, pixels)]
+        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, _pil_images(images))]
         return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
 
@@ -1235,44 +1204,35 @@ REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
     A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
-    out = []
+    out = {}
     for part in [p.strip() for p in (spec or "").split(",")]:
         if part.lower().startswith("remote:"):
-            url, w = part[len("remote:"):], ""
-            head, _, last = url.rpartition("/")
-            if ":" in last:
-                last, _, w = last.partition(":")
-                url = f"{head}/{last}"
-            name = f"remote:{url}"
-            if not (url.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in dict(out):
+            head, _, last = part[len("remote:"):].rpartition("/")
+            last, _, w = last.partition(":")
+            name = f"remote:{head}/{last}"
+            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
                 raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
                                  f"remote:http://HOST:PORT/NAME[:WEIGHT]")
         else:
             name, _, w = part.partition(":")
             name = name.strip().lower()
-            if name not in REWARDS or name in dict(out):
+            if name not in REWARDS or name in out:
                 raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
                                  f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
         try:
-            weight = float(w) if w else 1.0
+            out[name] = float(w) if w else 1.0
         except ValueError:
-            weight = math.nan
-        if not math.isfinite(weight):
+            out[name] = math.nan
+        if not math.isfinite(out[name]):
             raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
-        out.append((name, weight))
-    return out
+    return list(out.items())
 
 
 class RemoteReward:
-    """A scorer in another process or machine (one that needs its own environment: GenEval's detector,
-    ImageReward on old transformers, a VLM judge), reached over HTTP. Each call POSTs one JSON batch,
-    {"prompts": [...], "metadata": [...], "images": [...]} with every image as base64 of a .npy uint8 array
-    (H, W, 3) and each prompt's record from the prompt file as metadata (null when there is none), and reads
-    {"scores": [one number per image]} back. `python common.py serve-reward` is the reference server.
-
-    A request that fails (no connection, timeout, HTTP error) is retried `retries` times with doubling waits,
-    then the run stops with one line naming the URL. A reply with the wrong count or a score that is not a
-    finite number stops it at once: never a silent zero in the advantages."""
+    """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A failed
+    request is retried `retries` times with doubling waits, then the run stops naming the URL; a wrong count or a
+    non-finite score stops it at once: never a silent zero in the advantages."""
 
     def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
@@ -1281,17 +1241,16 @@ class RemoteReward:
         import base64
         import urllib.error
         import urllib.request
-        pixels = _to_uint8(images).permute(0, 2, 3, 1).numpy()
         encoded = []
-        for im in pixels:
+        for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
             buf = io.BytesIO()
             np.save(buf, im)
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
             try:
-                request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                     text = reply.read().decode()
                 break
@@ -1309,10 +1268,10 @@ class RemoteReward:
             scores = [float(x) for x in scores if not isinstance(x, bool)] if isinstance(scores, list) else None
         except (ValueError, TypeError, KeyError):
             scores = None
-        if scores is None or len(scores) != len(pixels) or not all(map(math.isfinite, scores)):
-            raise TrainingStopped(f"reward server {self.url} sent {text[:200]!r} for {len(pixels)} images: expected "
-                                  f'{{"scores": [{len(pixels)} finite numbers]}}')
-        return torch.tensor(scores, dtype=torch.float32)
+        if scores is None or len(scores) != len(encoded) or not all(map(math.isfinite, scores)):
+            raise TrainingStopped(f"reward server {self.url} sent {text[:200]!r} for {len(encoded)} images: expected "
+                                  f'{{"scores": [{len(encoded)} finite numbers]}}')
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
 
 def serve_reward(argv=None):
@@ -1322,13 +1281,11 @@ def serve_reward(argv=None):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
-    ap.add_argument("--reward", required=True, help=f"one of {', '.join(REWARDS)}")
+    ap.add_argument("--reward", required=True, choices=list(REWARDS))
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
-    if a.reward not in REWARDS:
-        ap.error(f"unknown --reward {a.reward!r}; choose one of {', '.join(REWARDS)}")
     try:
         scorer, lock = REWARDS[a.reward](device=a.device), threading.Lock()  # one batch at a time on the model
     except UsageError as e:
@@ -1368,15 +1325,10 @@ REWARD_NORMS = ("sum", "per-reward")
 
 
 class WeightedReward:
-    """Several scorers with weights: `terms` is parse_reward_spec's [(name, weight), ...]. __call__ returns
-    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's own scores. `advantages`
-    turns them into one advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS):
-      sum         the group advantage of the weighted sum;
-      per-reward  each reward's own group advantage, then their weighted sum.
-    Each trainer's --reward-norm help says which one its paper uses.
-
-    Under torchrun every rank scores the same number of batches, so each call also tells every rank whether a
-    scorer failed on any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
+    """Several scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). __call__ returns
+    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores. Under torchrun
+    every rank scores the same number of batches, so each call also tells every rank whether a scorer failed on
+    any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
 
     def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
@@ -1411,15 +1363,16 @@ class WeightedReward:
         return sum(w * parts[name] for name, w in self.weights.items())
 
     def advantages(self, parts: dict, group_advantage) -> torch.Tensor:
-        """`group_advantage` (rewards of any shape -> advantages of that shape, the trainer's normalisation) applied
-        to the weighted sum of `parts`, or to each part and then summed with the weights (per-reward)."""
+        """One advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS): `group_advantage` (rewards of
+        any shape -> advantages of that shape) applied to the weighted sum of `parts` (sum), or to each part and
+        then summed with the weights (per-reward)."""
         if self.norm == "sum":
             return group_advantage(self.total(parts))
         return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
 
-    def means(self, parts: dict, prefix: str = "reward_") -> dict:
+    def means(self, parts: dict) -> dict:
         """Each scorer's mean over every rank, for the logs: {"reward_<name>": mean}."""
-        return {prefix + short_reward_name(name): all_reduce_mean(parts[name].float().mean()).item()
+        return {f"reward_{short_reward_name(name)}": all_reduce_mean(parts[name].float().mean()).item()
                 for name in self.weights}
 
 
@@ -1436,12 +1389,11 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # =============================================================================================
 # 5. Prompts
 # =============================================================================================
-def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
-    """Returns (train, eval) lists of records {"prompt": str, ...metadata}. `path` is a UTF-8 text file (one prompt
-    a line) or a .jsonl file (one object a line with a "prompt" key and optional "split": "train"/"eval").
-    Without a "split" field, a fixed every-k-th line goes to eval. With no path: the toy grammar (train and
-    evaluate on the held-out pairs) for the toy model, else assets/prompts.txt. Bad files raise a UsageError
-    that names the file and line."""
+def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
+    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line) or a
+    .jsonl file (one object a line: "prompt", optional "split": "train"/"eval"; without splits every 10th record
+    is held out). Without a path: the toy's held-out pairs (train and eval) for the toy model, else
+    assets/prompts.txt. A bad file raises a UsageError naming the file and line."""
     if path is None:
         if model == "toy":
             recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
@@ -1456,28 +1408,26 @@ def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tu
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
-    numbered = [(i + 1, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]  # 1-based file line numbers
     recs = []
-    for n, ln in numbered:
-        if p.suffix != ".jsonl":
-            recs.append({"prompt": ln.strip()})
+    for n, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip():
             continue
-        try:
-            rec = json.loads(ln)
-        except json.JSONDecodeError:
-            rec = None
-        if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
-            raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
-        if rec.get("split", "train") not in ("train", "eval"):
-            raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
+        rec = {"prompt": ln.strip()}
+        if p.suffix == ".jsonl":
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                rec = None
+            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
+                raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
+            if rec.get("split", "train") not in ("train", "eval"):
+                raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
+        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
+            raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
+                             f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
         recs.append(rec)
     if not recs:
         raise UsageError(f"prompt file {path!r} holds no prompts")
-    if model == "toy":  # the toy reward reads colour and shape from the prompt: check them now, not mid-run
-        for (n, _), rec in zip(numbered, recs):
-            if not all(toy_parse_or_none(rec["prompt"])):
-                raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
-                                 f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
     if any("split" in r for r in recs):
         train = [r for r in recs if r.get("split", "train") == "train"]
         evals = [r for r in recs if r.get("split") == "eval"]
@@ -1485,9 +1435,8 @@ def load_prompts(path: str | None, model: str, eval_fraction: float = 0.1) -> tu
             raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
                              f"without a split train too)")
     else:
-        k = max(2, round(1 / eval_fraction))
-        evals = recs[::k] if len(recs) >= 2 else recs
-        train = [r for i, r in enumerate(recs) if i % k] or recs
+        evals = recs[::10]
+        train = [r for i, r in enumerate(recs) if i % 10] or recs
     return train, evals or train[:1]
 
 
