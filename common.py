@@ -1669,11 +1669,9 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
         while True:
             run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
                                      f"{secrets.token_hex(3)}"
-            try:
+            with contextlib.suppress(FileExistsError):
                 run_dir.mkdir(parents=True)
                 break
-            except FileExistsError:
-                continue
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
@@ -2144,7 +2142,7 @@ def _toy_templates(halves) -> np.ndarray:
     return np.stack([np.stack([toy_coverage(s, h).ravel() for h in halves]) for s in TOY_SHAPES])
 
 
-_TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's, at any size the model may draw
+_TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's, wider than the drawn sizes
 
 
 def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
@@ -2192,9 +2190,9 @@ def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
       colour = max(0, 1 - |c_hat - c| / d): c_hat = sum_p x_p w_p / sum_p w_p^2 explains x as c_hat * w (least
                squares), c is the prompt's colour, d = 1 the smallest gap between palette colours;
       shape  = max(0, (IoU - 0.5) / 0.5): the best soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the
-               prompt's shape m drawn at any size; at 0.5 or less toy_classify recognises no shape either.
-    A render of the target scores 0.98 to 1, a circle asked to be a square 0.84, a wrong palette colour 0.5, a
-    blank image 0. About 3x cheaper than toy_reward."""
+               prompt's shape m at the drawn sizes; at 0.5 or less toy_classify recognises no shape either.
+    A render of the target scores 0.98 to 1, a circle asked to be a square 0.84, the right shape in another
+    palette colour 0.5, a blank image 0. About 3x cheaper than toy_reward."""
     target = [toy_parse(p) for p in prompts]
     x = images.detach().float().cpu().nan_to_num(0.0).clamp(0, 1).flatten(2)           # (N, 3, P)
     w = x.amax(1)                                                                       # (N, P)
@@ -2372,7 +2370,7 @@ def pretrain_toy(argv=None):
 # =============================================================================================
 # --model-path random / random:N builds the published architectures (FLUX.1-dev, Stable Diffusion 3.5 Medium)
 # offline, from their config.json files written here and tokenizers built in code, at full depth (on `meta` to
-# count parameters, or on a GPU) or with N transformer blocks of each kind; `build_pipeline` any other size.
+# count parameters, or on a GPU) or reduced (`reduced`); `build_pipeline` builds any other size.
 _TOKENIZER_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man "
                     "woman person astronaut red blue green yellow black white car house tree flower city street "
                     "sky night sunset beach forest mountain river table high quality detailed riding sitting "
@@ -2487,7 +2485,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
 
 
 def random_depth(model_path: str | None) -> int | None:
-    """N for --model-path random:N, None for random (full depth) or any other path."""
+    """N for --model-path random:N, None for random (full depth) or any other path; refuses a malformed one."""
     if not (model_path or "").startswith("random"):
         return None
     depth = model_path.removeprefix("random").removeprefix(":")
