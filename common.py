@@ -1453,10 +1453,8 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 # 6. Logging and checkpoints
 # =============================================================================================
 class Logger:
-    """One JSON line per iteration appended to metrics.jsonl (NaN and inf written as null), one line on stdout, and
-    Weights & Biases when given a `wandb_config` (the run's settings); the main process only. A run folder only
-    grows: its lines and checkpoints are never moved, rewritten or deleted, so a reader takes the last line of each
-    iteration (read_metrics)."""
+    """Main process only: one JSON line per iteration appended to metrics.jsonl (NaN and inf written as null),
+    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings)."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
@@ -1490,9 +1488,8 @@ def append_line(path: Path, record: dict):
 
 
 def read_metrics(run_dir) -> list[dict]:
-    """A run's metrics.jsonl, one line per iteration in iteration order: the last one logged for it (a resumed run
-    logs again from its checkpoint's iteration). Lines without an iteration (resume markers) or that are not JSON
-    (cut short by a kill) are skipped."""
+    """A run's metrics.jsonl as one record per iteration, in order: the last logged for it (a resumed run logs
+    again from its checkpoint's iteration). Resume markers and lines cut short by a kill are skipped."""
     last = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         try:
@@ -1511,9 +1508,8 @@ def write_atomic(path: Path, text: str):
 
 
 def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
-    """Saves one PNG: a row per prompt, the prompt written on its left, then its images ((n, 3, H, W) in [0, 1]).
-    With `groups` (titles), each row's images split into that many equal groups side by side under their titles:
-    the same prompts and seeds from two models, say. Tiles are 128-256 px high (small images upscaled)."""
+    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]), in tiles 128-256
+    px high. With `groups` (titles), each row splits into that many equal groups, e.g. two models side by side."""
     import textwrap
 
     from PIL import Image, ImageDraw, ImageFont
@@ -1550,19 +1546,15 @@ class Run:
 
 
 def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:
-    """Decides the run folder and the checkpoint to resume, before any model loads, and claims the folder
-    (rank 0 decides, every rank gets the answer or the same UsageError). A run folder only grows: nothing in it is
-    moved, rewritten or deleted, so a run continues in place only from its newest checkpoint.
-      - a fresh run takes a new folder: --output-dir, or runs/<trainer>-<model>-<time>-<random> by default;
-        a folder that already holds a run is refused;
-      - --resume <run or checkpoint folder> continues in --output-dir (default: the checkpoint's own run folder);
-        a folder that holds a run is accepted only if this is its newest checkpoint (an older one, or another
-        run's, needs a new or empty --output-dir); the checkpoint must match `meta` (trainer, model, LoRA rank
-        and alpha, EMA, FSDP);
-      - --resume auto continues the newest complete checkpoint in --output-dir, or starts fresh there.
-    The folder must be writable; temporary folders left by a killed checkpoint write are removed. The first start
-    writes args.json (`config`); every later one, and a new folder continuing a checkpoint, appends a marker line
-    to metrics.jsonl: {"resumed": {"from_iteration", "checkpoint", "args"}}."""
+    """Decides the run folder and the checkpoint to resume before any model loads, and claims the folder (rank 0
+    decides; every rank gets the answer or the same UsageError). A run folder only grows: nothing in it is moved,
+    rewritten or deleted, so a run continues in place only from its newest checkpoint.
+      - fresh: --output-dir, or a new runs/<trainer>-<model>-<time>-<random>; a folder holding a run is refused;
+      - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder),
+        which may hold a run only if this is its newest checkpoint; the checkpoint must match `meta`;
+      - --resume auto: the newest complete checkpoint in --output-dir, or a fresh start there.
+    The first start writes args.json (`config`); every later one, and a new folder continuing a checkpoint,
+    appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl."""
     run = None
     if rt.is_main:
         try:
@@ -1593,11 +1585,9 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
         while True:
             run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
                                      f"{secrets.token_hex(3)}"
-            try:
+            with contextlib.suppress(FileExistsError):
                 run_dir.mkdir(parents=True)
                 break
-            except FileExistsError:
-                continue
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
@@ -1645,8 +1635,7 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The latest complete checkpoint of a run folder (checkpoint folders are renamed into place only when
-    complete), or None."""
+    """A run folder's latest complete checkpoint (one is renamed into place only when complete), or None."""
     done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "training_state.pt").is_file())
     return done[-1] if done else None
 
@@ -1661,8 +1650,8 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint made by another trainer, model, LoRA rank or alpha, or with or without the EMA or FSDP
-    this run does not have; returns its iteration."""
+    """Refuses a checkpoint whose trainer, model, LoRA rank or alpha, EMA or FSDP differ from `meta`; returns its
+    iteration."""
     info = checkpoint_info(checkpoint)
     for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
                       ("lora_alpha", "--lora-alpha"), ("ema", "--ema"), ("fsdp", "--fsdp")]:
@@ -1686,19 +1675,15 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN, complete or not at all (a temporary folder renamed into place,
-    then `latest` updated, so `latest` always names a complete checkpoint):
-      - the LoRA in diffusers' format (pytorch_lora_weights.safetensors, for `pipe.load_lora_weights(dir)`),
-        or the full transformer (transformer/, diffusers' save_pretrained) under full fine-tuning; with EMA
-        on, these hold the EMA weights;
-      - training_state.pt: the iteration, the elapsed seconds and, without --fsdp, the exact trainable parameters,
-        optimizer and EMA;
-      - checkpoint.json: `meta` (trainer, model, LoRA, EMA, FSDP) and the iteration, which --resume checks.
-    Under --fsdp every rank writes its shards of the parameters, their AdamW state and the EMA to sharded/
-    (torch.distributed.checkpoint's format, which loads under any number of ranks) and the full transformer is
-    gathered to rank 0; otherwise rank 0 writes it all. A checkpoint of this iteration that already exists is kept
-    (the state is the same). Weights that are not finite on any rank are never written: the run stops instead, as
-    it does when any rank fails to write. Every rank calls it; all return once it is in place."""
+    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
+    `latest` updated), or keeps the one already there. Every rank calls it; all return once it is in place.
+      - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
+        fine-tuning: the EMA weights when there is an EMA;
+      - training_state.pt: iteration, elapsed seconds and, without --fsdp, the exact parameters, optimizer, EMA;
+        under --fsdp each rank writes its shards of these to sharded/ (torch.distributed.checkpoint, loadable
+        under any number of ranks);
+      - checkpoint.json: `meta` and the iteration, which --resume checks.
+    Weights not finite on any rank are never written, and a write failing on any rank: both stop the run."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1755,10 +1740,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 
 def _sharded_state(params: list, optimizer, ema: EMA | None) -> dict:
-    """The training state under --fsdp as torch.distributed.checkpoint saves and loads it in place: the
-    parameters, their AdamW state unless `optimizer` is None (DTensor shards keyed by the parameter's position; a
-    fresh optimizer gets zero state made first, to be loaded into) and the EMA's shadow shards. dcp.load
-    reshards them to this run's ranks."""
+    """The --fsdp training state as dcp saves it and loads it in place (resharded to this run's ranks): parameter
+    shards keyed by position, their AdamW state unless `optimizer` is None (a fresh optimizer gets zero state to
+    load into) and the EMA's shadow shards."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1771,8 +1755,8 @@ def _sharded_state(params: list, optimizer, ema: EMA | None) -> dict:
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
-    """What save_pretrained writes (config.json and the safetensors weights) from a full state dict, for a model
-    whose class FSDP2 has wrapped (the config names the original class, so from_pretrained reads it)."""
+    """save_pretrained's files from a full state dict, for a model whose class FSDP2 has wrapped (the config
+    names the original class, so from_pretrained reads it)."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True)
     original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
@@ -1797,8 +1781,16 @@ def _training_state(checkpoint: Path, mmap: bool = False) -> dict:
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
     """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
     state = _training_state(checkpoint)
-    if any(hasattr(q, "to_local") for q in params):
-        _load_sharded(checkpoint, params, optimizer if state["stepped"] else None, ema)
+    if any(hasattr(q, "to_local") for q in params):  # --fsdp: sharded/ into this rank's shards
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        optimizer = optimizer if state["stepped"] else None  # no AdamW state saved: it stays fresh
+        sharded = _sharded_state(params, optimizer, ema)
+        dcp.load(sharded, checkpoint_id=checkpoint / "sharded")  # in place: the parameters' and the EMA's shards
+        if optimizer is not None:
+            set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, sharded["optimizer"])
+        if ema is not None:
+            ema.num_updates = int(sharded["ema"]["num_updates"])
         return state["elapsed"]
     saved = state["params"]
     if len(saved) != len(params):
@@ -1818,19 +1810,6 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     return state["elapsed"]
 
 
-def _load_sharded(checkpoint: Path, params: list, optimizer, ema: EMA | None):
-    """load_checkpoint under --fsdp: sharded/ into this rank's shards of the parameters, AdamW state (None: the
-    checkpoint has none, the optimizer stays fresh) and EMA."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    state = _sharded_state(params, optimizer, ema)
-    dcp.load(state, checkpoint_id=checkpoint / "sharded")  # in place: the parameters' and the EMA's shards
-    if optimizer is not None:
-        set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
-    if ema is not None:
-        ema.num_updates = int(state["ema"]["num_updates"])
-
-
 # =============================================================================================
 # 7. Evaluation
 # =============================================================================================
@@ -1845,14 +1824,11 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the deterministic ODE sampler. Image i uses prompt i mod len(records) and
-    initial noise seeded by (seed, i), so the evaluation is identical for any number of ranks or batch
-    size. Ranks split the images. Returns (metrics, rows):
-      metrics  eval_reward (the weighted sum's mean over the images), eval_<name> for each scorer (its own mean),
-               each with its standard error (eval_reward_se, eval_<name>_se: sample std / sqrt(n)), and
-               eval_accuracy (strict, with `accuracy_fn`);
-      rows     [(prompt, images (n, 3, H, W))] for the grid, on every rank: the first grid[0] prompts, each with
-               up to grid[1] of its images."""
+    """Held-out evaluation with the ODE sampler, split over the ranks. Image i has prompt i mod len(records) and
+    noise seeded by (seed, i): the same result for any number of ranks or batch size. Returns (metrics, rows):
+      metrics  eval_reward (the weighted sum's mean) and eval_<name> per scorer, each with its standard error
+               (eval_..._se: sample std / sqrt(n)), and eval_accuracy with `accuracy_fn`;
+      rows     [(prompt, images (n, 3, H, W))] on every rank: the first grid[0] prompts, up to grid[1] images each."""
     sigmas = adapter.sigmas(steps)
     names = list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
@@ -1901,23 +1877,21 @@ EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("picksco
 
 
 def evaluate_main(argv=None) -> dict:
-    """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts with the
-    ODE sampler at fixed seeds (as the trainers evaluate), prints each reward's mean +- standard error, and writes
-    results.json and grid.png (a row per prompt; two models side by side). Works under torchrun."""
-    ap = argparse.ArgumentParser(prog="common.py evaluate", description=evaluate_main.__doc__.split("\n\n")[0])
+    """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts as the
+    trainers evaluate, prints each reward's mean +- standard error, and writes results.json and grid.png (two
+    models side by side). Works under torchrun."""
+    ap = argparse.ArgumentParser(prog="common.py evaluate", description=evaluate_main.__doc__)
     ap.add_argument("--checkpoint", action="append", default=[],
-                    help="a run folder (its latest checkpoint) or a checkpoints/iter_* folder, or base (the model "
-                         "before training); twice to compare two side by side (default: base)")
+                    help="a run folder (its latest checkpoint), a checkpoints/iter_* folder, or base (untrained); "
+                         "twice to compare two (default: base)")
     ap.add_argument("--model", choices=MODELS, help="default: the checkpoint's")
     ap.add_argument("--model-path", help="default: the run's")
-    ap.add_argument("--reward", help="reward spec as the trainers' --reward (default: the run's)")
-    ap.add_argument("--prompts", help="prompt file as the trainers' --prompts (default: the run's); its held-out "
-                                      "split is scored")
-    ap.add_argument("--all-prompts", action="store_true", help="score every prompt of the file, not its held-out "
-                                                               "split (an evaluation set such as DrawBench)")
+    ap.add_argument("--reward", help="as the trainers' --reward (default: the run's)")
+    ap.add_argument("--prompts", help="as the trainers' --prompts, its held-out split scored (default: the run's)")
+    ap.add_argument("--all-prompts", action="store_true", help="score every prompt of the file (e.g. DrawBench)")
     ap.add_argument("--images", type=int, help="images in all, prompts cycling (default: the run's --eval-images)")
     ap.add_argument("--steps", type=int, help="ODE steps (default: the run's --eval-steps)")
-    ap.add_argument("--seed", type=int, help="noise of image i is seeded by (seed, i) (default: the run's)")
+    ap.add_argument("--seed", type=int, help="image i's noise is seeded by (seed, i) (default: the run's)")
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--guidance-scale", type=float)
     ap.add_argument("--max-sequence-length", type=int)
@@ -2005,9 +1979,8 @@ def _evaluate_main(a) -> dict:
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
-    """Puts the weights a checkpoint publishes into adapter.transformer: its LoRA
-    (pytorch_lora_weights.safetensors) or its full transformer (transformer/), the EMA weights when the run kept
-    an EMA, which is what the trainers evaluate."""
+    """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the
+    trainers evaluate) into adapter.transformer."""
     if info.get("lora_rank"):
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -2080,28 +2053,22 @@ def toy_render(color: str, shape: str, half: float) -> np.ndarray:
     return (np.asarray(TOY_COLORS[color], np.float32)[:, None, None] * toy_coverage(shape, half)).astype(np.float32)
 
 
-_TOY_TEMPLATES = None
+def _toy_templates(halves) -> np.ndarray:
+    """(shapes, sizes, 16*16): each shape's pixel coverage at each half-size."""
+    return np.stack([np.stack([toy_coverage(s, h).ravel() for h in halves]) for s in TOY_SHAPES])
 
 
-def _toy_templates() -> np.ndarray:
-    """(shapes, sizes, 16*16) binary masks used to recognise the drawn shape."""
-    global _TOY_TEMPLATES
-    if _TOY_TEMPLATES is None:
-        halves = np.linspace(0.2, 0.48, 15)
-        _TOY_TEMPLATES = np.stack([np.stack([toy_coverage(s, h).ravel() > 0.5 for h in halves])
-                                   for s in TOY_SHAPES])
-    return _TOY_TEMPLATES
+_TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's, wider than the drawn sizes
 
 
-def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None], np.ndarray]:
-    """Reads back (colour, shape) from images (N, 3, 16, 16) in [0, 1]. Foreground = pixels whose
-    brightest channel exceeds 0.5. Colour = palette entry nearest the mean foreground colour; shape =
-    template (any size) with the best IoU, if that IoU is at least 0.5. Returns colours, shapes, best IoUs."""
+def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
+    """Reads back (colour, shape) from images (N, 3, 16, 16) in [0, 1]. Foreground: pixels whose brightest
+    channel exceeds 0.5. Colour: the palette entry nearest the mean foreground colour; shape: the template (any
+    size) with the best IoU, if that IoU is at least 0.5 (None where there is none)."""
     imgs = images.detach().float().cpu().numpy()
     palette = np.asarray(list(TOY_COLORS.values()))
-    tmpl = _toy_templates()
-    colors, shapes, ious = [], [], np.zeros(len(imgs))
-    for n, im in enumerate(imgs):
+    colors, shapes = [], []
+    for im in imgs:
         fg = im.max(0) > 0.5
         if fg.sum() == 0:
             colors.append(None), shapes.append(None)
@@ -2109,17 +2076,14 @@ def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | Non
         mean_rgb = im[:, fg].mean(1)
         colors.append(list(TOY_COLORS)[int(np.argmin(((palette - mean_rgb) ** 2).sum(1)))])
         m = fg.ravel()
-        inter = (tmpl & m).sum(-1)
-        union = (tmpl | m).sum(-1)
-        iou = (inter / np.maximum(union, 1)).max(1)  # best size per shape
-        ious[n] = iou.max()
+        iou = ((_TOY_MASKS & m).sum(-1) / np.maximum((_TOY_MASKS | m).sum(-1), 1)).max(1)  # best size per shape
         shapes.append(TOY_SHAPES[int(iou.argmax())] if iou.max() >= 0.5 else None)
-    return colors, shapes, ious
+    return colors, shapes
 
 
 def toy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """GenEval-like partial credit: 0.5 for the right colour + 0.5 for the right shape. (N,) float32."""
-    colors, shapes, _ = toy_classify(images)
+    colors, shapes = toy_classify(images)
     target = [toy_parse(p) for p in prompts]
     r = [0.5 * (c == tc) + 0.5 * (s == ts) for c, s, (tc, ts) in zip(colors, shapes, target)]
     return torch.tensor(r, dtype=torch.float32)
@@ -2130,38 +2094,28 @@ def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     return (toy_reward(images, prompts) == 1.0).float()
 
 
-_TOY_SOFT_HALVES = np.linspace(*TOY_HALF_SIZE, 25)  # the drawn sizes, every 0.005 of the canvas
+_TOY_SOFT_MASKS = torch.tensor(_toy_templates(np.linspace(*TOY_HALF_SIZE, 25)), dtype=torch.float32)  # every 0.005
 _TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
                        for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
-_TOY_SOFT_TEMPLATES = None
 
 
 def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """A continuous version of toy_reward, like a preference model's score rather than GenEval's verdicts:
-    0.5 colour + 0.5 shape, each term in [0, 1]. (N,) float32.
-
-    With the image x clamped to [0, 1] and its soft foreground w = the brightest channel per pixel (1 inside a
-    drawn shape, the coverage on its edges, 0 on black; toy_render draws every palette colour at full brightness):
-      colour = max(0, 1 - |c_hat - c| / d), c_hat = sum_p x_p w_p / sum_p w_p^2 the colour that best explains the
-               image as c_hat * w (least squares; exact for a rendered shape), c the prompt's colour, d = 1 the
-               smallest distance between two palette colours (a neighbour colour earns 0, a blank image 0);
-      shape  = max(0, (IoU - 0.5) / 0.5), IoU = max over the drawn sizes h (TOY_HALF_SIZE, every 0.005) of the
-               soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the prompt's shape m = toy_coverage(shape,
-               h); an IoU of 0.5 or less earns 0, as toy_classify then recognises no shape.
-    A rendered target at a drawn size scores 0.98 to 1 (1 at the template sizes), a circle asked to be a square
-    0.84, a wrong palette colour with the right shape 0.5, a blank image 0; dimming, shrinking or mixing colours
-    lower it gradually. About 3x cheaper than toy_reward."""
-    global _TOY_SOFT_TEMPLATES
-    if _TOY_SOFT_TEMPLATES is None:
-        _TOY_SOFT_TEMPLATES = torch.tensor(np.stack([np.stack([toy_coverage(s, h).ravel() for h in _TOY_SOFT_HALVES])
-                                                     for s in TOY_SHAPES]), dtype=torch.float32)
+    """toy_reward made continuous, like a preference model's score: 0.5 colour + 0.5 shape, each in [0, 1].
+    (N,) float32. With x clamped to [0, 1] and its soft foreground w = the brightest channel per pixel (every
+    palette colour is drawn at full brightness, so w is the shape's coverage):
+      colour = max(0, 1 - |c_hat - c| / d): c_hat = sum_p x_p w_p / sum_p w_p^2 explains x as c_hat * w (least
+               squares), c is the prompt's colour, d = 1 the smallest gap between palette colours;
+      shape  = max(0, (IoU - 0.5) / 0.5): the best soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the
+               prompt's shape m at the drawn sizes; at 0.5 or less toy_classify recognises no shape either.
+    A render of the target scores 0.98 to 1, a circle asked to be a square 0.84, the right shape in another
+    palette colour 0.5, a blank image 0. About 3x cheaper than toy_reward."""
     target = [toy_parse(p) for p in prompts]
     x = images.detach().float().cpu().nan_to_num(0.0).clamp(0, 1).flatten(2)           # (N, 3, P)
     w = x.amax(1)                                                                       # (N, P)
     c_hat = (x * w[:, None]).sum(-1) / (w ** 2).sum(-1, keepdim=True).clamp_min(1e-12)  # (N, 3)
     c = torch.tensor([TOY_COLORS[tc] for tc, _ in target], dtype=torch.float32)
     colour = (1 - (c_hat - c).norm(dim=1) / _TOY_PALETTE_GAP).clamp(0, 1)
-    m = _TOY_SOFT_TEMPLATES[[TOY_SHAPES.index(ts) for _, ts in target]]                # (N, sizes, P)
+    m = _TOY_SOFT_MASKS[[TOY_SHAPES.index(ts) for _, ts in target]]                    # (N, sizes, P)
     iou = (torch.minimum(w[:, None], m).sum(-1) / torch.maximum(w[:, None], m).sum(-1)).amax(1)
     shape = ((iou - 0.5) / 0.5).clamp(0, 1)
     return 0.5 * colour + 0.5 * shape
@@ -2223,20 +2177,15 @@ class ToyAdapter(FluxFamilyAdapter):
     """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking."""
 
     lora_targets = FLUX_LORA_TARGETS
-    shift = 1.0  # uniform grid: at 16x16 pixels there is no resolution to shift for
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
+        from diffusers import FluxPipeline
         self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
         self.text_encoder.requires_grad_(False)
         self.tokenizer = ToyTokenizer()
-        self.device, self.dtype = device, dtype
-        n = TOY_SIZE // 2
-        ids = torch.zeros(n, n, 3)
-        ids[..., 1] = torch.arange(n)[:, None]
-        ids[..., 2] = torch.arange(n)[None, :]
-        self.img_ids = ids.reshape(n * n, 3).to(device)
+        self.device, self.dtype, self.resolution = device, dtype, TOY_SIZE
+        self.img_ids = FluxPipeline._prepare_latent_image_ids(1, TOY_SIZE // 2, TOY_SIZE // 2, device, torch.float32)
         self.txt_ids = torch.zeros(self.tokenizer.max_length, 3, device=device)
-        self.resolution = TOY_SIZE
 
     @torch.no_grad()
     def encode(self, prompts):
@@ -2248,7 +2197,7 @@ class ToyAdapter(FluxFamilyAdapter):
         return torch.randn((n, (TOY_SIZE // 2) ** 2, 12), generator=generator).to(self.device)
 
     def sigmas(self, num_steps):
-        return uniform_sigmas(num_steps, self.shift)
+        return uniform_sigmas(num_steps)  # unshifted: at 16x16 pixels there is no resolution to shift for
 
     @torch.no_grad()
     def decode(self, x):
@@ -2259,17 +2208,13 @@ class ToyAdapter(FluxFamilyAdapter):
         FluxPipeline.save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-def toy_eval_prompts(pairs=None) -> list[str]:
-    return [toy_prompt(c, s) for c, s in (pairs or TOY_HELD_OUT)]
-
-
 @torch.no_grad()
-def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234):
-    prompts = [p for p in toy_eval_prompts(pairs) for _ in range(per_pair)]
-    cond = adapter.encode(prompts)
-    x = sample_ode(adapter, net, cond, adapter.noise(len(prompts), make_generator(seed)), adapter.sigmas(steps))
-    imgs = adapter.decode(x)
-    return toy_reward(imgs, prompts).mean().item(), toy_accuracy(imgs, prompts).mean().item(), imgs
+def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234) -> tuple:
+    """(mean reward, strict accuracy) of `per_pair` ODE samples of each (colour, shape) pair."""
+    prompts = [toy_prompt(c, s) for c, s in pairs for _ in range(per_pair)]
+    x = adapter.noise(len(prompts), make_generator(seed))
+    imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, adapter.sigmas(steps)))
+    return toy_reward(imgs, prompts).mean().item(), toy_accuracy(imgs, prompts).mean().item()
 
 
 def pretrain_toy(argv=None):
@@ -2292,7 +2237,7 @@ def pretrain_toy(argv=None):
     text_encoder.requires_grad_(True)
     adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))
     params = list(transformer.parameters()) + list(text_encoder.parameters())
-    ema = [q.detach().clone() for q in params]
+    ema = EMA(params, max_decay=a.ema, every=1)  # decay warmed up, so the random init washes out
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
     warmup_cosine = lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
@@ -2301,20 +2246,14 @@ def pretrain_toy(argv=None):
     save_at = {int(s) for s in a.save_at.split(",") if s}
 
     def save(folder):
-        backup = [q.detach().clone() for q in params]
-        with torch.no_grad():
-            for q, e in zip(params, ema):
-                q.copy_(e)
-        transformer.save_pretrained(Path(folder) / "transformer")
-        text_encoder.save_pretrained(Path(folder) / "text_encoder")
-        adapter.text_encoder.eval()
-        r_seen = toy_quick_eval(adapter, transformer, seen)[:2]
-        r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)[:2]
+        with ema.swapped_in():
+            transformer.save_pretrained(Path(folder) / "transformer")
+            text_encoder.save_pretrained(Path(folder) / "text_encoder")
+            text_encoder.eval()
+            r_seen = toy_quick_eval(adapter, transformer, seen)
+            r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)
         print(f"saved {folder}: reward/accuracy seen {r_seen[0]:.3f}/{r_seen[1]:.3f}, "
               f"held-out {r_held[0]:.3f}/{r_held[1]:.3f}", flush=True)
-        with torch.no_grad():
-            for q, b in zip(params, backup):
-                q.copy_(b)
 
     bar = tqdm(range(a.steps), desc="pretrain-toy", mininterval=5)
     for step in bar:
@@ -2335,10 +2274,7 @@ def pretrain_toy(argv=None):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        decay = min(a.ema, (1 + step) / (10 + step))  # warm-up, so the random init washes out of the EMA
-        with torch.no_grad():
-            for q, e in zip(params, ema):
-                e.lerp_(q, 1 - decay)
+        ema.step(step)
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if step + 1 in save_at:
             save(f"{a.out}-step{step + 1}")
@@ -2348,9 +2284,9 @@ def pretrain_toy(argv=None):
 # =============================================================================================
 # Appendix B. Offline pipelines: the real classes with random weights
 # =============================================================================================
-# Every class is the real one; the tokenizers are built in code from an in-memory vocabulary, so that
-# --model-path random / random:N builds the published architectures offline, and `build_pipeline` any other
-# size of them from a dict of configs.
+# --model-path random / random:N builds the published architectures (FLUX.1-dev, Stable Diffusion 3.5 Medium)
+# offline, from their config.json files written here and tokenizers built in code, at full depth (on `meta` to
+# count parameters, or on a GPU) or reduced (`reduced`); `build_pipeline` builds any other size.
 _TOKENIZER_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man "
                     "woman person astronaut red blue green yellow black white car house tree flower city street "
                     "sky night sunset beach forest mountain river table high quality detailed riding sitting "
@@ -2388,10 +2324,6 @@ def _t5_tokenizer():
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
 
 
-# Each component's published config.json (FLUX.1-dev, Stable Diffusion 3.5 Medium), written here so that the
-# real architectures build offline with random weights. `random_pipeline` builds them at full depth (on `meta`,
-# to count parameters, or on a GPU) or at reduced depth: N transformer blocks of each kind and 1-layer text
-# encoders, every width, head count, rope axis, pooled and joint dimension as published.
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
               num_attention_heads=12, hidden_act="quick_gelu")
 CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
@@ -2417,9 +2349,11 @@ PUBLISHED = {
         "vae": dict(VAE_16CH, scaling_factor=1.5305, shift_factor=0.0609),
     },
 }
+
+
 def reduced(configs: dict, blocks: int) -> dict:
-    """`configs` with `blocks` transformer blocks of each kind (SD3: dual attention where the published model has
-    it, in its first 13 blocks) and 1-layer text encoders; every width unchanged."""
+    """`configs` with `blocks` transformer blocks of each kind (SD3's dual attention kept in its first 13) and
+    1-layer text encoders; every width unchanged."""
     out = {k: dict(v) for k, v in configs.items()}
     t = out["transformer"]
     t["num_layers"] = blocks
@@ -2434,11 +2368,10 @@ def reduced(configs: dict, blocks: int) -> dict:
 
 
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
-    """A FluxPipeline / StableDiffusion3Pipeline of the real classes from `configs` (PUBLISHED, `reduced` ones or
-    any other sizes), random weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes
-    _freeze_pipeline keeps for compute dtype `dtype`. The tokenizers are built in code with a small vocabulary
-    (other words are spelled out in characters); prompts are padded to the maximum length, so sequence lengths are
-    the real ones."""
+    """A FluxPipeline / StableDiffusion3Pipeline from `configs` (PUBLISHED, `reduced` or any sizes) with random
+    weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes _freeze_pipeline keeps for compute
+    dtype `dtype`. The tokenizers know a few words and spell the rest in characters; prompts are padded to the
+    maximum length, so sequence lengths are the real ones."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
                            SD3Transformer2DModel, StableDiffusion3Pipeline)
     if family == "flux":
@@ -2468,8 +2401,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
 
 
 def random_depth(model_path: str | None) -> int | None:
-    """For --model-path random (the published architecture at full depth: None) or random:N (N blocks of each
-    kind, 1-layer text encoders, real widths: N); any other path is not ours to check (None)."""
+    """N for --model-path random:N, None for random (full depth) or any other path; refuses a malformed one."""
     if not (model_path or "").startswith("random"):
         return None
     depth = model_path.removeprefix("random").removeprefix(":")
@@ -2479,8 +2411,7 @@ def random_depth(model_path: str | None) -> int | None:
 
 
 def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
-    """--model-path random / random:N: the published architecture with random weights, built in code, nothing
-    downloaded (`random_depth`)."""
+    """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
     depth = random_depth(model_path)
     return build_pipeline(family, reduced(PUBLISHED[family], depth) if depth else PUBLISHED[family], device=device,
                           dtype=dtype)
@@ -2504,11 +2435,8 @@ def _text_encoder(tok, config: dict, projection: bool):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "pretrain-toy":
-        pretrain_toy(sys.argv[2:])
-    elif len(sys.argv) > 1 and sys.argv[1] == "serve-reward":
-        serve_reward(sys.argv[2:])
-    elif len(sys.argv) > 1 and sys.argv[1] == "evaluate":
-        evaluate_main(sys.argv[2:])
+    commands = {"pretrain-toy": pretrain_toy, "serve-reward": serve_reward, "evaluate": evaluate_main}
+    if sys.argv[1:2] and sys.argv[1] in commands:
+        commands[sys.argv[1]](sys.argv[2:])
     else:
         print("usage: python common.py pretrain-toy | serve-reward | evaluate [--help]")
