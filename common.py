@@ -1454,7 +1454,9 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 # =============================================================================================
 class Logger:
     """Main process only: one JSON line per iteration appended to metrics.jsonl (NaN and inf written as null),
-    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings)."""
+    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings). A resumed run logs
+    again from its checkpoint's iteration, after a marker line (prepare_run): a reader takes the last line of each
+    iteration and skips lines without one."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
@@ -1485,20 +1487,6 @@ def append_line(path: Path, record: dict):
             if f.read(1) != b"\n":
                 f.write(b"\n")
         f.write(json.dumps(record, allow_nan=False).encode() + b"\n")
-
-
-def read_metrics(run_dir) -> list[dict]:
-    """A run's metrics.jsonl as one record per iteration, in order: the last logged for it (a resumed run logs
-    again from its checkpoint's iteration). Resume markers and lines cut short by a kill are skipped."""
-    last = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(m, dict) and isinstance(m.get("iteration"), int):
-            last[m["iteration"]] = m
-    return [last[i] for i in sorted(last)]
 
 
 def write_atomic(path: Path, text: str):

@@ -69,6 +69,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from helpers import TRAINERS as METHODS  # noqa: E402  (the trainers, found by their marker; flow_grpo first)
+from helpers import read_metrics  # noqa: E402
 
 BASELINE = "flow_grpo"
 PALETTE = [(90, 90, 90), (214, 39, 40), (31, 119, 180), (44, 160, 44), (255, 127, 14), (148, 103, 189),
@@ -190,7 +191,7 @@ def start_fork_server():
 
 
 def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], float]:
-    """Runs one trainer in its own process (one thread); returns its metrics (common.read_metrics) and wall-clock
+    """Runs one trainer in its own process (one thread); returns its metrics (helpers.read_metrics) and wall-clock
     seconds."""
     argv = ["--output-dir", str(run_dir), "--threads", "1", *argv]
     cmd = [sys.executable, str(ROOT / f"{method}.py"), *argv]
@@ -207,8 +208,7 @@ def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], floa
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent).returncode
     if rc:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); the end of {log}:\n{log.read_text()[-3000:]}")
-    import common
-    return common.read_metrics(run_dir), time.time() - tic
+    return read_metrics(run_dir), time.time() - tic
 
 
 def run_all(jobs: list[dict], out: Path, n_parallel: int, desc: str, fatal: bool = True) -> list[dict]:

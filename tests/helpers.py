@@ -1,6 +1,7 @@
 """Shared test utilities: tiny diffusers pipelines loaded like a saved model, run a trainer in-process with small
 sizes."""
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -150,8 +151,18 @@ def run(module, argv: list[str]) -> dict:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    """metrics.jsonl as its readers take it (common.read_metrics): the last line of each iteration, in order."""
-    return common.read_metrics(run_dir)
+    """A run's metrics.jsonl as its readers take it, one record per iteration, in order: the last logged for it (a
+    resumed run logs again from its checkpoint's iteration). Resume markers and lines cut short by a kill are
+    skipped."""
+    last = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(m, dict) and isinstance(m.get("iteration"), int):
+            last[m["iteration"]] = m
+    return [last[i] for i in sorted(last)]
 
 
 def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_path) -> tuple[list[dict], list[dict]]:
