@@ -558,11 +558,15 @@ def instrument(adapter):
     return adapter
 
 
+def work_snapshot(adapter, reward_fn, guard) -> dict:
+    """The work counted so far: adapter.counts, images scored (reward_fn.calls), steps skipped (guard.skipped)."""
+    return {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+
+
 def work_done(adapter, reward_fn, before: dict, guard) -> dict:
-    """The work of one iteration, since `before` (a snapshot of adapter.counts, reward_fn.calls and
-    guard.skipped): transformer rows without grad (nfe_fwd) and with grad and a backward (nfe_fwd_bwd), VAE
-    decodes, images scored, optimizer steps skipped."""
-    now = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+    """The work of one iteration, since `before` (a work_snapshot): transformer rows without grad (nfe_fwd) and
+    with grad and a backward (nfe_fwd_bwd), VAE decodes, images scored, optimizer steps skipped."""
+    now = work_snapshot(adapter, reward_fn, guard)
     names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
              "skipped_steps": "skipped_steps"}
     return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
@@ -1711,10 +1715,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
             (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         error = f"{type(e).__name__}: {e}"
-    ok = torch.tensor([float(error is None)], device=rt.device)
-    if dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
+    if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
         if rt.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {final.parent} "

@@ -235,7 +235,7 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata

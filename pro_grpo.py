@@ -346,7 +346,7 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: expand, SDE-sample step-major [Flow-GRPO Eq. 9], preview + OVF-prune at checkpoints ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
