@@ -1062,7 +1062,11 @@ def openclip_to_clip(state_dict: dict) -> dict:
 class HPSv2(_CLIPSimilarity):
     """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
     scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
-    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id)."""
+    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
+    resize runs on the float images (clip_preprocess), where the hpsv2 package resizes 8-bit PIL images (PIL
+    bicubic, then the same centre crop): the same pixels for 224 px images, up to 4e-3 (of 1) apart at 256 x 320."""
+
+    quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
 
     def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
                  processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
@@ -1072,10 +1076,14 @@ class HPSv2(_CLIPSimilarity):
     def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
         from transformers import CLIPConfig, CLIPModel
         path = hub_file(model_id, self.filename)
-        # the file is {"state_dict": open_clip tensors}: weights_only runs no pickled code
-        weights = openclip_to_clip(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+        # open_clip tensors, bare or (HPS) as {"state_dict": ...}: weights_only runs no pickled code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        weights = openclip_to_clip(state.get("state_dict", state))
+        config = CLIPConfig.from_pretrained(processor_id)
+        if self.quick_gelu:
+            config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
         with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
-            model = CLIPModel(CLIPConfig.from_pretrained(processor_id))
+            model = CLIPModel(config)
         expected = set(model.state_dict())
         if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
             raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
@@ -1084,11 +1092,28 @@ class HPSv2(_CLIPSimilarity):
         for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
             emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
         if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
-            raise RuntimeError(f"HPSv2: {meta[0]!r} was not loaded (this transformers' CLIPModel has a new tensor)")
+            raise RuntimeError(f"{type(self).__name__}: {meta[0]!r} was not loaded (this transformers' CLIPModel has "
+                               f"a new tensor)")
         return model
 
     def __call__(self, images, prompts, metadata=None):
         return self.cosine(images, prompts)
+
+
+class CLIPScoreH(HPSv2):
+    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
+    scale, as G2RPO and MixGRPO score their CLIP reward (typical values 0.3-0.4; G2RPO trains with this 224 px
+    checkpoint, MixGRPO's script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
+    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
+    images, as HPSv2's)."""
+
+    quick_gelu = True
+
+    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
+                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+        super().__init__(model_id, filename, processor_id, device, dtype)
+        side = self.image_config["crop_size"]["height"]
+        self.image_config["size"] = {"height": side, "width": side}
 
 
 class Aesthetic:
@@ -1201,8 +1226,8 @@ class ImageRewardScore:
 
 
 REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
-           "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore, "imagereward": ImageRewardScore,
-           "toy-soft": ToySoftReward}
+           "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
+           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:

@@ -1,7 +1,9 @@
 """The in-process reward models, each loaded through its real code path from tiny random weights saved like the hub:
-HPSv2 (an open_clip checkpoint mapped into CLIPModel) against a plain-torch forward written from the open_clip keys
-themselves; the LAION aesthetic score against its published head computed by hand; ImageReward's wrapper, whose
-package needs an environment of its own."""
+HPSv2 and CLIPScoreH (open_clip checkpoints mapped into CLIPModel) against a plain-torch forward written from the
+open_clip keys themselves; the LAION aesthetic score against its published head computed by hand; ImageReward's
+wrapper, whose package needs an environment of its own. Also: every trainer's full-scale default reward is made
+of in-process registry scorers."""
+import importlib
 import math
 import re
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+from helpers import TRAINERS
 
 V_WIDTH, T_WIDTH, EMBED, HEADS, LAYERS, PATCH, IMAGE, CONTEXT = 32, 24, 16, 4, 2, 8, 32, 77
 OPENAI_MEAN, OPENAI_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -87,7 +90,12 @@ def world(tmp_path_factory):
     return root, tok, state
 
 
-def _block(x, p: dict, prefix: str, causal: bool):
+def quick_gelu(x):
+    """open_clip's QuickGELU, x sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _block(x, p: dict, prefix: str, causal: bool, act=F.gelu):
     """One open_clip residual attention block on (L, N, D), with nn.MultiheadAttention's packed projection."""
     w = lambda name: p[prefix + name]  # noqa: E731
     h = F.layer_norm(x, x.shape[-1:], w("ln_1.weight"), w("ln_1.bias"), eps=1e-5)
@@ -97,25 +105,34 @@ def _block(x, p: dict, prefix: str, causal: bool):
                                        training=False, need_weights=False, attn_mask=mask)[0]
     x = x + h
     h = F.layer_norm(x, x.shape[-1:], w("ln_2.weight"), w("ln_2.bias"), eps=1e-5)
-    return x + F.linear(F.gelu(F.linear(h, w("mlp.c_fc.weight"), w("mlp.c_fc.bias"))),
+    return x + F.linear(act(F.linear(h, w("mlp.c_fc.weight"), w("mlp.c_fc.bias"))),
                         w("mlp.c_proj.weight"), w("mlp.c_proj.bias"))
 
 
-def _open_clip_cosine(p: dict, pixels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """open_clip's encode_image / encode_text from the raw keys, then hpsv2's diagonal of normalised features."""
+def _open_clip_cosine(p: dict, pixels: torch.Tensor, tokens: torch.Tensor, act=F.gelu) -> torch.Tensor:
+    """open_clip's encode_image / encode_text from the raw keys (MLP activation `act`), then hpsv2's diagonal of
+    normalised features."""
     x = F.conv2d(pixels, p["visual.conv1.weight"], stride=PATCH).flatten(2).transpose(1, 2)  # (N, patches, D)
     x = torch.cat([p["visual.class_embedding"].expand(len(x), 1, -1), x], dim=1) + p["visual.positional_embedding"]
     x = F.layer_norm(x, x.shape[-1:], p["visual.ln_pre.weight"], p["visual.ln_pre.bias"], eps=1e-5).transpose(0, 1)
     for i in range(LAYERS):
-        x = _block(x, p, f"visual.transformer.resblocks.{i}.", causal=False)
+        x = _block(x, p, f"visual.transformer.resblocks.{i}.", causal=False, act=act)
     x = F.layer_norm(x[0], x.shape[-1:], p["visual.ln_post.weight"], p["visual.ln_post.bias"], eps=1e-5)
     image = x @ p["visual.proj"]
     t = (p["token_embedding.weight"][tokens] + p["positional_embedding"]).transpose(0, 1)
     for i in range(LAYERS):
-        t = _block(t, p, f"transformer.resblocks.{i}.", causal=True)
+        t = _block(t, p, f"transformer.resblocks.{i}.", causal=True, act=act)
     t = F.layer_norm(t.transpose(0, 1), t.shape[-1:], p["ln_final.weight"], p["ln_final.bias"], eps=1e-5)
     text = t[torch.arange(len(t)), tokens.argmax(dim=-1)] @ p["text_projection"]
     return (F.normalize(image, dim=-1) @ F.normalize(text, dim=-1).T).diagonal()
+
+
+def _open_clip_tokens(tok) -> torch.Tensor:
+    """open_clip's tokens of PROMPTS: start, words, end-of-text (the largest id), zeros up to 77; truncated to 77 with
+    the end kept."""
+    ids = tok(PROMPTS, truncation=True, max_length=CONTEXT)["input_ids"]
+    assert len(ids[2]) == CONTEXT and ids[2][-1] == tok.eos_token_id == len(tok) - 1
+    return torch.tensor([row + [0] * (CONTEXT - len(row)) for row in ids])
 
 
 @pytest.mark.parametrize("config,prefix", [("eos", "module."), ("argmax", "")])
@@ -126,15 +143,39 @@ def test_hpsv2_equals_the_open_clip_forward_of_its_checkpoint(world, config, pre
     assert common.REWARDS["hpsv2"] is common.HPSv2
     images = torch.rand(3, 3, 48, 48, generator=torch.Generator().manual_seed(1))
     scores = scorer(images, PROMPTS)
-    # open_clip's tokens: start, words, end-of-text (the largest id), zeros up to 77; truncated to 77 with the end kept
-    ids = tok(PROMPTS, truncation=True, max_length=CONTEXT)["input_ids"]
-    assert len(ids[2]) == CONTEXT and ids[2][-1] == tok.eos_token_id == len(tok) - 1
-    tokens = torch.tensor([row + [0] * (CONTEXT - len(row)) for row in ids])
+    tokens = _open_clip_tokens(tok)
     pixels = common.clip_preprocess(images, {"size": {"shortest_edge": IMAGE}, "image_mean": OPENAI_MEAN,
                                              "crop_size": {"height": IMAGE, "width": IMAGE}, "image_std": OPENAI_STD})
     expected = _open_clip_cosine(state, pixels, tokens)
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
     assert scores.shape == (3,) and scores.dtype == torch.float32 and expected.std() > 0.05  # not a degenerate case
+
+
+def test_clipscore_h_equals_the_open_clip_forward_of_its_checkpoint(world, tmp_path):
+    """apple/DFN5B-CLIP-ViT-H-14's layout: a bare open_clip state dict in open_clip_pytorch_model.bin, QuickGELU MLPs
+    (the processor's config says GELU, as CLIP-H's does), and open_clip's "squash" resize of the whole image to
+    IMAGE x IMAGE without a crop, here from a non-square image."""
+    root, tok, state = world
+    (tmp_path / "dfn").mkdir()
+    torch.save(state, tmp_path / "dfn" / "open_clip_pytorch_model.bin")
+    scorer = common.CLIPScoreH(model_id=str(tmp_path / "dfn"), processor_id=str(root / "eos"))
+    assert common.REWARDS["clipscore-h"] is common.CLIPScoreH
+    images = torch.rand(3, 3, 40, 56, generator=torch.Generator().manual_seed(2))
+    scores = scorer(images, PROMPTS)
+    squashed = F.interpolate(images, size=(IMAGE, IMAGE), mode="bicubic", antialias=True).clamp(0, 1)
+    pixels = (squashed - torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1)) / torch.tensor(OPENAI_STD).view(1, 3, 1, 1)
+    expected = _open_clip_cosine(state, pixels, _open_clip_tokens(tok), act=quick_gelu)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert scores.shape == (3,) and scores.dtype == torch.float32 and expected.std() > 0.05
+    gelu = _open_clip_cosine(state, pixels, _open_clip_tokens(tok))
+    assert (expected - gelu).abs().max() > 1e-4  # 10x the tolerance: a GELU model would fail
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+def test_the_full_scale_default_reward_is_made_of_in_process_scorers(trainer, model):
+    terms = common.parse_reward_spec(importlib.import_module(trainer).MODEL_DEFAULTS[model]["reward"])
+    assert terms and all(name in common.REWARDS and name != "imagereward" for name, _ in terms), terms
 
 
 @pytest.mark.parametrize("change,named", [
