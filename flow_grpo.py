@@ -20,6 +20,9 @@ Simplifications / readings (vs the paper and its official code):
   6. At full scale, as the official code: SD3.5 computes under fp16 autocast over float32 transformer weights
      with loss scaling (`--dtype fp16`), FLUX in bf16; SD3's T5 prompt has 128 tokens (the pipeline's default
      is 256); the EMA's decay warm-up counts optimizer steps (common.EMA).
+  7. The EMA updates once per optimizer step. The official SD3 and FLUX scripts call its step once per
+     training minibatch with the optimizer-step count, so when k minibatches accumulate into one optimizer
+     step, each EMA update is applied k times to the same weights: an effective decay d^k.
 
 Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
 name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores

@@ -37,8 +37,11 @@ Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO,
   6. Grid: static shift 3 on u = linspace(1, 0, T+1) for flux and sd3, as the official code does for FLUX
      (no dynamic shift); shift 1 on the toy, its adapter's own grid. Evaluation keeps the model's own sampler,
      as the paper evaluates with the stock FLUX pipeline.
-  7. Several reward models: each is z-scored on its own and the advantages are summed with the --reward
-     weights (official: HPS + CLIP summed with weight 1): --reward-norm per-reward, the default here.
+  7. Rewards at full scale: HPS v2.1 + CLIP (`hpsv2,clipscore-h`), the paper's HPS&CLIP rows [G2RPO, Table 1],
+     on which its Lambda and step-count ablations run; `--reward hpsv2` is its HPS-only setting. The CLIP is
+     DFN5B CLIP-H, scored as cos(image, text) (official code and README; we could not check the paper's text
+     for it). SD3.5 gets the same rewards. Each reward is z-scored on its own and the advantages are summed with
+     the --reward weights (official: weight 1 each): --reward-norm per-reward, the default here;
      --reward-norm sum z-scores their weighted sum instead.
   8. Updates run k = 0, 1, ... in order after all rollouts of the iteration, so only the first update of an
      iteration is exactly on-policy (ratio 1); a step's loss is the mean over all branches of all prompts of
@@ -58,7 +61,7 @@ name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were 
 
 Run:
   python g2rpo.py                                       # toy model, CPU, a few minutes
-  torchrun --nproc_per_node=8 g2rpo.py --model flux --reward pickscore      # full fine-tuning, FSDP2 (the paper)
+  torchrun --nproc_per_node=8 g2rpo.py --model flux     # the paper's HPS + CLIP run: full fine-tuning, FSDP2
   python g2rpo.py --model flux --no-fsdp --lora-rank 64 --lora-alpha 128 --lr 1e-4   # one GPU, LoRA
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 g2rpo.py --model flux
 
@@ -149,7 +152,7 @@ class Args:
 # fine-tuning with FSDP2; SD3: LoRA; reading 9).
 MODEL_DEFAULTS = {
     "sd3": {
-        "reward": "pickscore",
+        "reward": "hpsv2,clipscore-h",    # HPS + CLIP (reading 7)
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 40,
@@ -167,7 +170,7 @@ MODEL_DEFAULTS = {
         "grid_shift": 3.0,
     },
     "flux": {
-        "reward": "pickscore",
+        "reward": "hpsv2,clipscore-h",    # HPS + CLIP (reading 7)
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 28,

@@ -45,13 +45,22 @@ Simplifications / readings (where the paper or its summaries leave a choice):
   6. Settings the paper does not give for FLUX (lr, G, prompts per step, LoRA, N_grad, soft-clip): we take
      its SD3.5 LoRA recipe (r 32, alpha 64, lr 3e-4), MixGRPO's protocol (720 px, group 12, 16 ODE steps,
      300 iterations, several rewards normalised one by one and summed: --reward-norm per-reward), N_grad 2
-     with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run).
+     with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run). MixGRPO's official script
+     trains on HPS v2.1, PickScore and ImageReward; that V-GRPO trains on them too is our reading (its FLUX
+     baselines are MixGRPO's published numbers), not confirmed in its text. The default is `hpsv2,pickscore`:
+     ImageReward needs an environment of its own (add remote:http://HOST:PORT/imagereward, README, Rewards).
      SD3 follows stage 1 of its SD3.5-M curriculum (no CFG, 40 ODE steps, 48 x 24, N_grad 1, kappa 3, no
-     clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed); the other stages are separate runs.
+     clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed); the other stages are separate runs. Stage 1
+     trains on HPS v2.1 + PickScore + CLIP (`hpsv2,pickscore,clipscore`, raw scores summed: Flow-GRPO's way,
+     whose code DiffusionNFT builds on); the weights, the normalisation and the CLIP are unconfirmed
+     (DiffusionNFT's README fetches LAION's CLIP-H for its CLIP score; clipscore is CLIP ViT-L/14).
   7. All N_MC pairs of a micro-batch go through one forward of micro_batch x N_MC rows (the ratio couples
      them, so their activations are alive together for one backward anyway).
   8. The velocity used by the surrogate is the adapter's, so with `--guidance-scale > 1` on SD3 it is the
      CFG velocity; V-GRPO trains SD3.5 without CFG (default guidance 1).
+  9. Pair sharing: the paper shares one set of (t, eps) pairs within a group [V-GRPO, group-shared pairs]
+     (`--share-pairs group`, the default); its official code is reported to share one set over the whole
+     batch and all ranks (`--share-pairs batch`), which we could not check in that code.
 
 Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
 name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
@@ -59,8 +68,8 @@ name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were 
 
 Run:
   python v_grpo.py                                      # toy model, CPU, a few minutes
-  python v_grpo.py --model sd3 --reward pickscore       # one GPU
-  torchrun --nproc_per_node=8 v_grpo.py --model flux --reward pickscore
+  python v_grpo.py --model sd3                          # one GPU, stage 1 of the SD3.5-M curriculum
+  torchrun --nproc_per_node=8 v_grpo.py --model flux
   torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 v_grpo.py --model sd3 \\
       --prompts-per-step 64                             # 32 ranks: the prompts must divide evenly
 
@@ -134,8 +143,9 @@ class Args:
     lr: float = field(1e-4, "AdamW learning rate")
     sample_steps: int = field(10, "denoising steps T of a training rollout")
     mc_pairs: int = field(4, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
-    share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt), "
-                                      "batch (all samples of the iteration, on every rank), sample (nobody: ablation)",
+    share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt, as the "
+                                      "paper), batch (all samples of the iteration, on every rank, as the official "
+                                      "code is reported to), sample (nobody: ablation)",
                              choices=("group", "batch", "sample"))
     stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
     pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(T_pair) minus t = 0; default: "
@@ -155,7 +165,7 @@ class Args:
 # Full scale: what differs from the toy defaults above, from the paper where it gives them (else reading 6).
 MODEL_DEFAULTS = {
     "sd3": {
-        "reward": "pickscore",
+        "reward": "hpsv2,pickscore,clipscore",   # stage 1's rewards (reading 6)
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 40,
@@ -175,7 +185,7 @@ MODEL_DEFAULTS = {
         "updates_per_rollout": 1,         # stage 1: fully on-policy, hence the soft-clip
     },
     "flux": {
-        "reward": "pickscore",
+        "reward": "hpsv2,pickscore",      # MixGRPO's rewards less ImageReward (reading 6)
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 28,

@@ -148,3 +148,14 @@ def test_time_budget_ends_the_run_like_its_last_iteration(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="is at iteration 2, past --iterations 1"):
         run(flow_grpo, ["--iterations", "1", "--output-dir", str(r), "--resume", str(r),
                         *small(without=("eval_every",))])
+
+
+def test_the_ema_updates_once_per_optimizer_step(tmp_path, monkeypatch):
+    """common.EMA.step is called once after each optimizer step, with its count 1, 2, ... (never twice with the same
+    count, which would apply an update twice), and updates the shadow every `every` steps."""
+    calls, step = [], common.EMA.step
+    monkeypatch.setattr(common.EMA, "step", lambda self, n: (calls.append((n, self.num_updates)), step(self, n)))
+    run(flow_grpo, ["--iterations", "4", "--ema", "--updates-per-rollout", "2", "--eval-every", "0",
+                    "--output-dir", str(tmp_path / "r"), *small(without=("eval_every",))])
+    assert [n for n, _ in calls] == list(range(1, 9))
+    assert [u for _, u in calls] == [0] * 7 + [1]  # before the step: the shadow moves first after step 7 ((7 + 1) % 8)
