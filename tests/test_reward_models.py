@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import helpers
 
 V_WIDTH, T_WIDTH, EMBED, HEADS, LAYERS, PATCH, IMAGE, CONTEXT = 32, 24, 16, 4, 2, 8, 32, 77
 OPENAI_MEAN, OPENAI_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -80,7 +81,7 @@ def _save_processor(folder, tok, eos_token_id: int):
 def world(tmp_path_factory):
     """The tokenizer, the open_clip weights, and processor folders whose config pools text at the argmax token id
     (eos_token_id 2, as configs written before transformers PR 24773) or at the first end-of-text id."""
-    root, tok = tmp_path_factory.mktemp("hps"), common._clip_tokenizer()
+    root, tok = tmp_path_factory.mktemp("hps"), helpers.tokenizer()
     state = _open_clip_state(len(tok))
     for name, eos in [("argmax", 2), ("eos", tok.eos_token_id)]:
         _save_processor(root / name, tok, eos)
