@@ -2299,119 +2299,47 @@ def pretrain_toy(argv=None):
 # Appendix B. Offline pipelines: the real classes with random weights
 # =============================================================================================
 # --model-path random / random:N builds the published architectures (FLUX.1-dev, Stable Diffusion 3.5 Medium)
-# offline, from their config.json files written here and tokenizers built in code, at full depth (on `meta` to
-# count parameters, or on a GPU) or reduced (`reduced`); `build_pipeline` builds any other size.
-_TOKENIZER_WORDS = ("a an the of on in with and at is photo picture painting portrait cat dog bird horse man "
-                    "woman person astronaut red blue green yellow black white car house tree flower city street "
-                    "sky night sunset beach forest mountain river table high quality detailed riding sitting "
-                    "standing").split()
+# offline: assets/architectures/<family>/ is laid out as their hub repositories (model_index.json, each
+# component's config.json) without the weights, and with tokenizers that know a few words and spell the rest in
+# characters (prompts are padded to the maximum length, so sequence lengths are the real ones).
+ARCHITECTURES = ASSETS / "architectures"
 
 
-def _clip_tokenizer(pad_token="<|endoftext|>"):
-    """Byte-level BPE like CLIP's: 256 bytes, the same with </w>, merges making each word above one token,
-    then <|startoftext|>, <|endoftext|> last (so the end-of-text id is not 2)."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-    alphabet = sorted(ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(alphabet + [s + "</w>" for s in alphabet])}
-    merges = []
-    for word in _TOKENIZER_WORDS:  # replay earlier merges by rank, then learn new ones left to right
-        pieces = list(word[:-1]) + [word[-1] + "</w>"]
-        while len(pieces) > 1:
-            ranks = {m: r for r, m in enumerate(merges)}
-            rank, i = min((ranks.get(p, len(ranks)), i) for i, p in enumerate(zip(pieces, pieces[1:])))
-            if rank == len(ranks):
-                i = 0
-                merges.append((pieces[0], pieces[1]))
-            pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
-            vocab.setdefault(pieces[i], len(vocab))
-    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = len(vocab), len(vocab) + 1
-    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=77)
-
-
-def _t5_tokenizer():
-    """A Unigram vocabulary (<pad> 0, </s> 1, <unk> 2, words, single characters) in T5's tokenizer class."""
-    from transformers import T5TokenizerFast
-    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-"
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + w, -1.0) for w in _TOKENIZER_WORDS] + [(c, -5.0) for c in chars]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
-
-
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
-              num_attention_heads=12, hidden_act="quick_gelu")
-CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
-              num_attention_heads=20, hidden_act="gelu")
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-              relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu")
-VAE_16CH = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
-                sample_size=1024)
-PUBLISHED = {
-    "flux": {  # black-forest-labs/FLUX.1-dev
-        "transformer": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                            guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-        "text_encoder": CLIP_L, "text_encoder_2": T5_XXL,
-        "vae": dict(VAE_16CH, scaling_factor=0.3611, shift_factor=0.1159),
-    },
-    "sd3": {  # stabilityai/stable-diffusion-3.5-medium
-        "transformer": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-        "text_encoder": CLIP_L, "text_encoder_2": CLIP_G, "text_encoder_3": T5_XXL,
-        "vae": dict(VAE_16CH, scaling_factor=1.5305, shift_factor=0.0609),
-    },
-}
-
-
-def reduced(configs: dict, blocks: int) -> dict:
-    """`configs` with `blocks` transformer blocks of each kind (SD3's dual attention kept in its first 13) and
-    1-layer text encoders; every width unchanged."""
-    out = {k: dict(v) for k, v in configs.items()}
-    t = out["transformer"]
-    t["num_layers"] = blocks
-    if "num_single_layers" in t:
-        t["num_single_layers"] = blocks
-    if t.get("dual_attention_layers"):
-        t["dual_attention_layers"] = tuple(range(min(blocks, len(t["dual_attention_layers"]))))
-    for name in out:
-        if name.startswith("text_encoder"):
-            out[name]["num_layers" if "d_model" in out[name] else "num_hidden_layers"] = 1
-    return out
+def architecture(family: str, blocks: int | None = None) -> dict:
+    """{component: config} of the published `family` ("flux" or "sd3") pipeline; with `blocks`, that many
+    transformer blocks of each kind (SD3's dual attention kept in its first 13) and 1-layer text encoders, every
+    width unchanged."""
+    configs = {p.parent.name: json.loads(p.read_text()) for p in (ARCHITECTURES / family).glob("*/config.json")}
+    if blocks:
+        t = configs["transformer"]
+        t.update({k: blocks for k in ("num_layers", "num_single_layers") if k in t})
+        if t.get("dual_attention_layers"):
+            t["dual_attention_layers"] = list(range(min(blocks, len(t["dual_attention_layers"]))))
+        for name, config in configs.items():
+            if name.startswith("text_encoder"):
+                config["num_layers" if "d_model" in config else "num_hidden_layers"] = 1
+    return configs
 
 
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
-    """A FluxPipeline / StableDiffusion3Pipeline from `configs` (PUBLISHED, `reduced` or any sizes) with random
-    weights drawn from `seed` on `device` ("meta": shapes only), in the dtypes _freeze_pipeline keeps for compute
-    dtype `dtype`. The tokenizers know a few words and spell the rest in characters; prompts are padded to the
-    maximum length, so sequence lengths are the real ones."""
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
-    if family == "flux":
-        toks = {"text_encoder": _clip_tokenizer(), "text_encoder_2": _t5_tokenizer()}
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        pipe_cls, transformer_cls = FluxPipeline, FluxTransformer2DModel
-    else:
-        toks = {"text_encoder": _clip_tokenizer(), "text_encoder_2": _clip_tokenizer(pad_token="!"),
-                "text_encoder_3": _t5_tokenizer()}
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-        pipe_cls, transformer_cls = StableDiffusion3Pipeline, SD3Transformer2DModel
-    modules = {}
+    """The `family` pipeline (FluxPipeline / StableDiffusion3Pipeline) with its components built from `configs`
+    (`architecture`'s, or any sizes) with random weights drawn from `seed` on `device` ("meta": shapes only), in
+    the dtypes _freeze_pipeline keeps for compute dtype `dtype`; tokenizers and scheduler from the assets."""
+    import importlib
+    folder = ARCHITECTURES / family
+    index = json.loads((folder / "model_index.json").read_text())
+    classes = {name: getattr(importlib.import_module(v[0]), v[1]) for name, v in index.items()
+               if isinstance(v, list) and v[0]}
+    parts = {name: cls.from_pretrained(folder / name) for name, cls in classes.items() if name not in configs}
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        for name, tok in toks.items():  # each cast as it is built: a full-size build holds one float32 module
-            modules[name] = _cast(_text_encoder(tok, configs[name], projection=family == "sd3"), dtype)
-        modules["transformer"] = _cast(transformer_cls(**configs["transformer"]), weight_dtype(dtype))
-        modules["vae"] = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
-                                       up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False,
-                                       use_post_quant_conv=False, **configs["vae"])
-    tokenizers = {name.replace("text_encoder", "tokenizer"): tok for name, tok in toks.items()}
-    pipe = pipe_cls(scheduler=scheduler, **tokenizers, **modules)
-    for m in modules.values():
-        m.eval()
-    return pipe
+        for name in sorted(configs):  # text encoders, transformer, vae; each cast as built: one float32 at a time
+            cls = classes[name]
+            module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
+                cls.config_class(**configs[name]))
+            dtype_kept = {"transformer": weight_dtype(dtype), "vae": torch.float32}.get(name, dtype)
+            parts[name] = _cast(module, dtype_kept).eval()
+    return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
 
 
 def random_depth(model_path: str | None) -> int | None:
@@ -2426,26 +2354,11 @@ def random_depth(model_path: str | None) -> int | None:
 
 def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
     """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
-    depth = random_depth(model_path)
-    return build_pipeline(family, reduced(PUBLISHED[family], depth) if depth else PUBLISHED[family], device=device,
-                          dtype=dtype)
+    return build_pipeline(family, architecture(family, random_depth(model_path)), device=device, dtype=dtype)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
-
-
-def _text_encoder(tok, config: dict, projection: bool):
-    """T5's encoder (a config with d_model) or CLIP's text model (with the projection SD3 pools through), with
-    the tokenizer's special ids; the vocabulary is the config's, else the tokenizer's."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-    config = {"vocab_size": len(tok), **config}
-    if "d_model" in config:
-        return T5EncoderModel(T5Config(**config, dropout_rate=0.0, pad_token_id=tok.pad_token_id,
-                                       eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id))
-    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
-    return cls(CLIPTextConfig(**config, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def random_pickscore():
     """PickScore's scorer (its preprocessing, logit and scale) on clip_h with random weights: full depth on a GPU,
     one layer per tower on CPU; common's offline CLIP tokenizer. Registered as the reward "pickscore-random"."""
     import torch
+    from transformers import CLIPTokenizer
 
     import common
 
@@ -106,7 +107,7 @@ def random_pickscore():
             self.device, self.dtype, self.max_length = torch.device(device), torch.float32, 77
             with torch.device(device):
                 self.model = clip_h(None if self.device.type == "cuda" else 1).eval().requires_grad_(False)
-            self.tokenizer = common._clip_tokenizer()
+            self.tokenizer = CLIPTokenizer.from_pretrained(common.ARCHITECTURES / "flux" / "tokenizer")
             self.image_config = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224},
                                  "image_mean": [0.48145466, 0.4578275, 0.40821073],
                                  "image_std": [0.26862954, 0.26130258, 0.27577711]}

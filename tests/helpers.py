@@ -27,7 +27,7 @@ def find_trainers(root: Path = ROOT) -> list[str]:
 TRAINERS = find_trainers()
 
 # FLUX.1-dev's and SD3.5-Medium's structure (guidance embedding, CLIP + T5, dynamic shift; two CLIPs + T5, qk-norm,
-# dual attention) at a few thousand parameters, for common.build_pipeline.
+# dual attention) at a few thousand parameters: the sizes set over common.architecture's configs (`tiny_configs`).
 TINY_CONFIGS = {
     "flux": {
         "transformer": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -87,6 +87,23 @@ TRAINER_SMOKE = {
 _PIPELINES = {}
 
 
+def tiny_configs(family: str) -> dict:
+    """The published `family` configs with TINY_CONFIGS' sizes, the text encoders' vocabularies cut to the
+    tokenizers' own (the assets' tokenizers know a few hundred tokens)."""
+    configs = common.architecture(family)
+    for name, sizes in TINY_CONFIGS[family].items():
+        configs[name].update(sizes)
+        if name.startswith("text_encoder"):
+            configs[name]["vocab_size"] = len(tokenizer(family, name.replace("text_encoder", "tokenizer")))
+    return configs
+
+
+def tokenizer(family: str = "flux", name: str = "tokenizer"):
+    """One of the assets' tokenizers of common.build_pipeline (CLIP's by default)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(common.ARCHITECTURES / family / name)
+
+
 def tiny_pipeline(family: str) -> str:
     """The folder of the tiny `family` ("flux" or "sd3") pipeline, random weights from seed 0: built and saved with
     save_pretrained on first use in this process, removed when this process exits (not a forked child). Runs,
@@ -94,7 +111,7 @@ def tiny_pipeline(family: str) -> str:
     if family not in _PIPELINES:
         folder = tempfile.mkdtemp(prefix=f"tiny-{family}-")
         atexit.register(_remove_in, os.getpid(), folder)
-        common.build_pipeline(family, TINY_CONFIGS[family], seed=0).save_pretrained(folder)
+        common.build_pipeline(family, tiny_configs(family), seed=0).save_pretrained(folder)
         _PIPELINES[family] = folder
     return _PIPELINES[family]
 

@@ -15,7 +15,7 @@ import torch
 import common
 import flow_grpo
 import gpu_check
-from helpers import ROOT, TINY_CONFIGS, run, tiny_pipeline
+from helpers import ROOT, run, tiny_configs, tiny_pipeline
 
 CPU = torch.device("cpu")
 
@@ -67,8 +67,9 @@ def test_lora_targets_are_the_attention_and_mlp_projections_of_every_block():
 
 
 def test_reduced_depth_keeps_every_width():
-    full, small = common.PUBLISHED["sd3"], common.reduced(common.PUBLISHED["sd3"], 2)
-    assert small["transformer"] == {**full["transformer"], "num_layers": 2, "dual_attention_layers": (0, 1)}
+    full, small = common.architecture("sd3"), common.architecture("sd3", blocks=2)
+    assert full["transformer"]["num_layers"] == 24 and full["transformer"]["dual_attention_layers"] == list(range(13))
+    assert small["transformer"] == {**full["transformer"], "num_layers": 2, "dual_attention_layers": [0, 1]}
     assert small["text_encoder_3"] == {**full["text_encoder_3"], "num_layers": 1}
     assert small["vae"] == full["vae"]
     with pytest.raises(common.UsageError, match="write random .full depth. or random:N"):
@@ -130,7 +131,7 @@ def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
 # ---- full-scale fixes ----
 def test_sd3_passes_the_timestep_to_the_transformer_in_float32():
     """In bf16 the transformer would be asked about t = 912 while the step math uses 913.35."""
-    adapter = common.SD3Adapter(common.build_pipeline("sd3", TINY_CONFIGS["sd3"]), CPU, torch.bfloat16, 32, 4.5)
+    adapter = common.SD3Adapter(common.build_pipeline("sd3", tiny_configs("sd3")), CPU, torch.bfloat16, 32, 4.5)
     seen = []
     adapter.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
     adapter.velocity(adapter.transformer, adapter.noise(1), torch.tensor(0.91335), adapter.encode(["a cat"]))
@@ -153,7 +154,7 @@ def test_fp16_computes_over_float32_transformer_weights():
     """--dtype fp16: text encoders in fp16, the trained transformer in float32 (autocast fp16 on GPU), the VAE in
     float32; from a pipeline built in float32 and from a saved one (from_pretrained reads each in its dtype)."""
     rt = common.Runtime(0, 1, 0, CPU, torch.float16)
-    built = common.SD3Adapter(common.build_pipeline("sd3", TINY_CONFIGS["sd3"]), CPU, torch.float16, 32, 4.5)
+    built = common.SD3Adapter(common.build_pipeline("sd3", tiny_configs("sd3")), CPU, torch.float16, 32, 4.5)
     for adapter in (built, common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5)):
         pipe = adapter.pipe
         assert {p.dtype for p in pipe.transformer.parameters()} == {torch.float32}

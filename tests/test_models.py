@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import common
-from helpers import TINY_CONFIGS, tiny_pipeline
+from helpers import tiny_configs, tiny_pipeline
 
 RT = common.Runtime(0, 1, 0, torch.device("cpu"), torch.float32)
 PROMPTS = ["a photo of a cat", "a red car on a street"]
@@ -47,7 +47,7 @@ def test_real_loader_reads_a_saved_pipeline(name):
     """--model flux/sd3 --model-path DIR load a pipeline saved to a folder with from_pretrained: it computes what
     the pipeline it was saved from computes."""
     adapter_cls = common.FluxAdapter if name == "flux" else common.SD3Adapter
-    adapter = adapter_cls(common.build_pipeline(name, TINY_CONFIGS[name], seed=0), RT.device, RT.dtype, 32, 4.0)
+    adapter = adapter_cls(common.build_pipeline(name, tiny_configs(name), seed=0), RT.device, RT.dtype, 32, 4.0)
     loaded = common.load_model(name, RT, path=tiny_pipeline(name), resolution=32, guidance_scale=4.0)
     x = adapter.noise(1, torch.Generator().manual_seed(0))
     cond_a, cond_b = adapter.encode(PROMPTS[:1]), loaded.encode(PROMPTS[:1])

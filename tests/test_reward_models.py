@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import helpers
 from helpers import TRAINERS
 
 V_WIDTH, T_WIDTH, EMBED, HEADS, LAYERS, PATCH, IMAGE, CONTEXT = 32, 24, 16, 4, 2, 8, 32, 77
@@ -83,7 +84,7 @@ def _save_processor(folder, tok, eos_token_id: int):
 def world(tmp_path_factory):
     """The tokenizer, the open_clip weights, and processor folders whose config pools text at the argmax token id
     (eos_token_id 2, as configs written before transformers PR 24773) or at the first end-of-text id."""
-    root, tok = tmp_path_factory.mktemp("hps"), common._clip_tokenizer()
+    root, tok = tmp_path_factory.mktemp("hps"), helpers.tokenizer()
     state = _open_clip_state(len(tok))
     for name, eos in [("argmax", 2), ("eos", tok.eos_token_id)]:
         _save_processor(root / name, tok, eos)

@@ -92,7 +92,7 @@ def test_reward_spec_parsing_and_weighting():
 def _tiny_clip(path):
     """A tiny random CLIP saved like a hub repo, to load PickScore / CLIPScore through from_pretrained."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-    tok = common._clip_tokenizer()
+    tok = helpers.tokenizer()
     torch.manual_seed(0)
     cfg = CLIPConfig(text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=77, bos_token_id=tok.bos_token_id,
