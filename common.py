@@ -2232,8 +2232,9 @@ def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, see
 
 
 def pretrain_toy(argv=None):
-    """Pre-trains the toy model with the rectified-flow loss on renders of the seen (colour, shape) pairs
-    and saves it to assets/toy (`python common.py pretrain-toy --help`)."""
+    """Pre-trains the toy transformer with the rectified-flow loss on renders of the seen (colour, shape) pairs
+    and saves it to assets/toy (`python common.py pretrain-toy --help`). The text encoder keeps its random
+    initialisation (seed --seed), frozen: a fixed random embedding of the prompt's words is conditioning enough."""
     p = argparse.ArgumentParser(prog="python common.py pretrain-toy", description=pretrain_toy.__doc__)
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine decay over them)")
     p.add_argument("--batch-size", type=int, default=64, help="images per step")
@@ -2248,9 +2249,8 @@ def pretrain_toy(argv=None):
     seed_everything(a.seed)
     from tqdm import tqdm
     transformer, text_encoder = build_toy_modules(a.seed)
-    text_encoder.requires_grad_(True)
-    adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))
-    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))  # freezes the text encoder
+    params = list(transformer.parameters())
     ema = EMA(params, max_decay=a.ema, every=1)  # decay warmed up, so the random init washes out
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
     warmup_cosine = lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps))  # noqa: E731
@@ -2263,7 +2263,6 @@ def pretrain_toy(argv=None):
         with ema.swapped_in():
             transformer.save_pretrained(Path(folder) / "transformer")
             text_encoder.save_pretrained(Path(folder) / "text_encoder")
-            text_encoder.eval()
             r_seen = toy_quick_eval(adapter, transformer, seen)
             r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)
         print(f"saved {folder}: reward/accuracy seen {r_seen[0]:.3f}/{r_seen[1]:.3f}, "
@@ -2271,14 +2270,11 @@ def pretrain_toy(argv=None):
 
     bar = tqdm(range(a.steps), desc="pretrain-toy", mininterval=5)
     for step in bar:
-        text_encoder.train()
         idx = rng.integers(len(seen), size=a.batch_size)
         halves = rng.uniform(*TOY_HALF_SIZE, size=a.batch_size)
         imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
         x0 = toy_pack(imgs)
-        ids, mask = adapter.tokenizer([toy_prompt(*seen[i]) for i in idx])
-        out = text_encoder(input_ids=ids, attention_mask=mask)
-        cond = {"prompt_embeds": out.last_hidden_state, "pooled": out.pooler_output}
+        cond = adapter.encode([toy_prompt(*seen[i]) for i in idx])
         t = torch.sigmoid(torch.randn(a.batch_size))  # logit-normal times, as SD3 pre-training
         eps = torch.randn_like(x0)
         xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * eps
