@@ -430,7 +430,8 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.meta, self.rt)
 
     def stop_if_signalled(self, it: int):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (not under
+        --preflight) and stop."""
         signum = signalled(self.rt.device)
         if signum and self.preflight:
             raise TrainingStopped(f"preflight stopped by {signal.Signals(signum).name}; nothing was saved",

@@ -121,9 +121,9 @@ def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
     del pipe
     for trainer in gpu_check.TRAINERS:
         module = __import__(trainer)
-        argv = gpu_check.trainer_argv(trainer, family, ckpt=True, gpu=False, iterations=1, out=tmp_path / trainer)
+        argv = gpu_check.trainer_argv(trainer, family, ckpt=True, gpu=False, out=tmp_path / trainer)
         argv[argv.index("--model-path") + 1] = str(tmp_path / "pipe")
-        argv[argv.index("--reward") + 1] = "jpeg"
+        argv += ["--reward", "jpeg", "--iterations", "1"]
         metrics = run(module, argv)
         assert metrics["iteration"] == 1 and math.isfinite(metrics["time_s"])
         lines = [json.loads(s) for s in (tmp_path / trainer / "metrics.jsonl").read_text().splitlines()]
