@@ -2083,16 +2083,12 @@ class Preflight:
         total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-        from importlib.metadata import PackageNotFoundError, version
-
-        def ver(pkg):
-            with contextlib.suppress(PackageNotFoundError):
-                return f"{pkg} {version(pkg)}"
-            return f"{pkg} missing"
+        from importlib.metadata import version
         self.total, self.start = total, it
         self.rows += [_row("ranks x device", f"{rt.world_size} x {name}, {total / 2**30:.0f} GiB"),
                       _row("dtype", str(rt.dtype).replace("torch.", "")),
-                      _row("versions", ", ".join(map(ver, ("torch", "diffusers", "transformers", "peft"))))]
+                      _row("versions", ", ".join(f"{p} {version(p)}" for p in ("torch", "diffusers", "transformers",
+                                                                                "peft")))]
         modules = {**vars(lp.adapter), **getattr(getattr(lp.adapter, "pipe", None), "components", {})}
         weights = list({id(p): p for m in modules.values() if isinstance(m, torch.nn.Module)
                         for p in m.parameters() if not hasattr(p, "to_local")}.values())
@@ -2133,7 +2129,7 @@ class Preflight:
                  "and the weights"),
             _row("image pixel std (least)", f"{std:.3f}", "> 0.01", std > 0.01,
                  "an image is one flat colour: check the VAE, its latent scaling and --resolution"),
-            _row("images differ across prompts", f"{diff:.3f}", "> 0.001", diff > 1e-3,
+            _row("images differ across prompts", f"{diff:.3f}", "> 0.001", diff > 1e-3 if len(pair) > 1 else None,
                  "the prompt does not change the image: check the text encoders and the conditioning")]
         records = {r["prompt"]: r for r in lp.eval_prompts}
         shifted = [rows[(r + 1) % len(rows)][0] for r, (_, im) in enumerate(rows) for _ in im]  # another prompt
