@@ -13,6 +13,7 @@ Sections, in reading order:
   5. Prompts
   6. Logging and checkpoints, labelled image grids
   7. Evaluation, also from the command line (`python common.py evaluate`)
+  8. Preflight: the checks of --preflight
   Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
   Appendix B. Offline pipelines: the published architectures with random weights
 """
@@ -24,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -413,8 +415,10 @@ class TrainingLoop:
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
         elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
         self.t0 = time.time() - elapsed
-        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if args.wandb else None)
+        wandb = args.wandb and not args.preflight
+        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if wandb else None)
         self.it, self.metrics = run.start, {}
+        Preflight.active = self.preflight = Preflight(self) if args.preflight else None
 
     def seconds(self) -> float:
         """Training seconds so far (the log's time_s)."""
@@ -426,8 +430,12 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.meta, self.rt)
 
     def stop_if_signalled(self, it: int):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop."""
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (not under
+        --preflight) and stop."""
         signum = signalled(self.rt.device)
+        if signum and self.preflight:
+            raise TrainingStopped(f"preflight stopped by {signal.Signals(signum).name}; nothing was saved",
+                                  exit_code=128 + signum)
         if signum:
             self.save(it)
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
@@ -449,10 +457,14 @@ class TrainingLoop:
     def begin(self, it: int) -> dict | None:
         """Starts iteration `it`: checkpoints and stops on a signal, evaluates when due, and returns its metrics
         line. The last one (--iterations reached or --time-budget spent) is logged at once, with a check under
-        DDP that the replicas agree, and None is returned: the loop ends."""
+        DDP that the replicas agree, and None is returned: the loop ends. Under --preflight: the preflight's
+        first checks, then the one measured iteration, whatever is due."""
         a = self.args
         self.stop_if_signalled(it)
         self.it, self.metrics = it, {"iteration": it}
+        if self.preflight:
+            self.preflight.begin(it)
+            return self.metrics
         last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
         if a.eval_every and (it % a.eval_every == 0 or last):
             self.metrics.update(self.evaluate(it))
@@ -465,7 +477,10 @@ class TrainingLoop:
         return None
 
     def end(self, metrics: dict):
-        """Logs the iteration's line with its time_s, and checkpoints every --save-every iterations."""
+        """Logs the iteration's line with its time_s, and checkpoints every --save-every iterations. Under
+        --preflight: the preflight's report instead, and the run stops (TrainingStopped)."""
+        if self.preflight:
+            self.preflight.end(metrics)
         metrics["time_s"] = self.seconds()
         self.logger.log(metrics)
         done, a = self.it + 1, self.args
@@ -859,6 +874,8 @@ class StepGuard:
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
         self.scaler = torch.amp.GradScaler(device.type) if loss_scaling else None
         self.losses_finite = True
+        if Preflight.active:  # --preflight: the backward passes are timed with the other model calls
+            self.backward = Preflight.active.timed(self.backward)
 
     def backward(self, loss: torch.Tensor):
         if self.scaler is None:
@@ -870,6 +887,8 @@ class StepGuard:
         """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+        if Preflight.active:  # --preflight: the first step's gradients, before clipping
+            Preflight.active.see_gradients(params, overflow_possible=self.scaler is not None and self.losses_finite)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
         flags = all_ranks([torch.isfinite(norm.detach()), self.losses_finite], self.device, dist.ReduceOp.MIN)
@@ -898,6 +917,8 @@ class StepGuard:
 class ToyReward:
     """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
 
+    reads_prompt = True
+
     def __init__(self, device="cpu"):
         self.device = device
 
@@ -914,6 +935,8 @@ class ToySoftReward(ToyReward):
 
 class JpegCompressibility:
     """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
+
+    reads_prompt = False
 
     def __init__(self, device="cpu"):
         self.device = device
@@ -961,6 +984,7 @@ def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
 class _CLIPSimilarity:
     """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
 
+    reads_prompt = True  # --preflight checks that the right prompts score higher
     divisor = 1.0
 
     def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
@@ -1120,6 +1144,8 @@ class Aesthetic:
     """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
     on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
+    reads_prompt = False
+
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
@@ -1173,6 +1199,8 @@ class OCRScore:
     without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
     explicitly: the checkpoint's generation config sets no end token."""
 
+    reads_prompt = True
+
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
         from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
@@ -1209,6 +1237,8 @@ class ImageRewardScore:
     """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
     the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
     served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
+
+    reads_prompt = True
 
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
@@ -1262,6 +1292,8 @@ class RemoteReward:
     serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A failed
     request is retried `retries` times with doubling waits, then the run stops naming the URL; a wrong count or a
     non-finite score stops it at once: never a silent zero in the advantages."""
+
+    reads_prompt = True  # assumed: the protocol does not say
 
     def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
@@ -1571,7 +1603,7 @@ def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: 
         which may hold a run only if this is its newest checkpoint; the checkpoint must match `meta`;
       - --resume auto: the newest complete checkpoint in --output-dir, or a fresh start there.
     The first start writes args.json (`config`); every later one, and a new folder continuing a checkpoint,
-    appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl."""
+    appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl; a --preflight run writes neither."""
     run = None
     if rt.is_main:
         try:
@@ -1631,6 +1663,8 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     args_file = run_dir / "args.json"
+    if config.get("preflight"):  # the folder stays as a fresh start or this resume finds it (preflight.json aside)
+        return run
     if checkpoint is not None or args_file.exists():
         append_line(run_dir / "metrics.jsonl", {"resumed": {
             "from_iteration": run.start, "checkpoint": str(checkpoint.resolve()) if checkpoint else None,
@@ -2008,6 +2042,245 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
     else:
         trained = type(adapter.transformer).from_pretrained(checkpoint / "transformer")
         adapter.transformer.load_state_dict(trained.state_dict())
+
+
+# =============================================================================================
+# 8. Preflight (--preflight): the run's set-up, one measured iteration of its own code and the whole run's cost,
+#    checked before a long run. Rows are (check, value, expected, status, advice); advice is said for a FAIL.
+# =============================================================================================
+PREFLIGHT_IMAGES = 16          # evaluation images per rank: one batch of `evaluate`
+PROMPT_SE = 2.0                # right prompts must beat shifted ones by this many standard errors
+ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # first-update |ratio - 1| and KL; GPU: the smallest --clip-range
+BASE_RANGES = {"pickscore": (0.81, 0.90), "hpsv2": (0.24, 0.32), "aesthetic": (4.8, 6.2),  # base-model means
+               "imagereward": (0.3, 1.3), "toy": (0.6, 1.0)}                             # (README, Preflight)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(2 n,) float64 on the CPU: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
+    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
+    return torch.tensor([v for t in local for v in (t.double().sum().item(), t.double().square().sum().item())],
+                        dtype=torch.float64)
+
+
+def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
+    """A table row; ok None: information only; a failed check WARNs with `warn`, else it FAILs with `advice`."""
+    status = "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
+    return check, str(value), expected, status, advice if status == "FAIL" else ""
+
+
+class Preflight:
+    """--preflight, driven by TrainingLoop: begin() checks the set-up, a few evaluation images and each reward on
+    them; the trainer then runs one iteration of its own rollout and update, during which StepGuard reports the
+    first optimizer step's gradients (see_gradients) and every model call is timed (encode, velocity, decode, each
+    scorer, backward); end() checks the update, projects the whole run's cost, prints the table, writes
+    preflight.json in the run folder and stops the run (TrainingStopped, exit 0 if no row FAILed, else 1) with
+    nothing logged or saved."""
+
+    active: Preflight | None = None  # the running one, which StepGuard reports to
+
+    def __init__(self, loop):
+        self.loop, self.rows, self.grads, self.model_s = loop, [], None, 0.0
+        adapter, reward_fn = loop.adapter, loop.reward_fn
+        self.scorers = {name: fn for name, _, fn in reward_fn.terms}
+        adapter.encode, adapter.velocity, adapter.decode = map(self.timed, (adapter.encode, adapter.velocity,
+                                                                            adapter.decode))
+        reward_fn.terms = [(name, w, self.timed(fn)) for name, w, fn in reward_fn.terms]
+
+    def timed(self, fn):
+        """fn, its seconds (device work included) added to model_s."""
+        def call(*args, **kwargs):
+            _sync(self.loop.rt.device)
+            tic = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(self.loop.rt.device)
+            self.model_s += time.perf_counter() - tic
+            return out
+        return call
+
+    def begin(self, it: int):
+        lp, a, rt = self.loop, self.loop.args, self.loop.rt
+        dev = rt.device
+        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+        from importlib.metadata import version
+        self.total, self.start = total, it
+        self.rows += [_row("ranks x device", f"{rt.world_size} x {name}, {total / 2**30:.0f} GiB"),
+                      _row("dtype", str(rt.dtype).replace("torch.", "")),
+                      _row("versions", ", ".join(f"{p} {version(p)}" for p in ("torch", "diffusers", "transformers",
+                                                                                "peft")))]
+        modules = {**vars(lp.adapter), **getattr(getattr(lp.adapter, "pipe", None), "components", {})}
+        weights = list({id(p): p for m in modules.values() if isinstance(m, torch.nn.Module)
+                        for p in m.parameters() if not hasattr(p, "to_local")}.values())
+        diff = rank_param_diff([_fingerprint(weights).to(dev)])
+        self.rows.append(_row("weights identical on all ranks", f"{diff:.3g}", "0", diff == 0,
+                              "a rank loaded other weights: give every rank the same --model-path and files"))
+        trained = sum(p.numel() * p.element_size() for p in lp.params)   # a DTensor's numel is the whole tensor's
+        self.checkpoint_bytes = trained * (4 + bool(lp.ema))  # weights file, params, 2 AdamW moments, EMA
+        self.saves = 1 + sum(1 for d in range(it + 1, a.iterations) if a.save_every and d % a.save_every == 0)
+        free = shutil.disk_usage(lp.run.dir).free
+        need = self.saves * self.checkpoint_bytes
+        self.rows.append(_row("free disk", f"{free / 2**30:.1f} GiB", f">= {need / 2**30:.2f} GiB ({self.saves} "
+                              f"checkpoints)", free >= need, "free disk space, raise --save-every or pass another "
+                              "--output-dir (checkpoints are never deleted)"))
+        with lp.ema.swapped_in() if lp.ema else contextlib.nullcontext():
+            self.generation(lp, a, rt)
+        self.before = _fingerprint(lp.params)
+        self.model_s, self.tic = 0.0, time.perf_counter()
+
+    def generation(self, lp, a, rt):
+        """Images at the evaluation settings (evaluate, timed: one batch per rank), each scorer on them."""
+        n = min(a.eval_images, PREFLIGHT_IMAGES * rt.world_size)
+        tic = time.perf_counter()
+        _, rows = evaluate(lp.adapter, lp.adapter.transformer, lp.eval_prompts, n, a.eval_steps, lp.reward_fn, rt,
+                           seed=a.seed)
+        self.eval_s = (time.perf_counter() - tic) * a.eval_images / n     # one whole evaluation, extrapolated
+        images = torch.cat([im for _, im in rows])
+        prompts = [p for p, im in rows for _ in im]
+        pair = [p for p, _ in rows[:2]]                                     # two prompts, the same noise
+        x = torch.cat([lp.adapter.noise(1, make_generator(a.seed))] * len(pair))
+        raw = lp.adapter.decode(sample_ode(lp.adapter, lp.adapter.transformer, lp.adapter.encode(pair), x,
+                                           lp.adapter.sigmas(a.eval_steps)))
+        std = images.flatten(1).std(1).min().item()
+        diff = (raw[0] - raw[-1]).abs().mean().item() if len(pair) > 1 else math.nan
+        ok = bool(torch.isfinite(raw).all())
+        self.rows += [
+            _row("images finite", "yes" if ok else "no", "yes", ok, "the sampler makes NaN / inf: check --dtype "
+                 "and the weights"),
+            _row("image pixel std (least)", f"{std:.3f}", "> 0.01", std > 0.01,
+                 "an image is one flat colour: check the VAE, its latent scaling and --resolution"),
+            _row("images differ across prompts", f"{diff:.3f}", "> 0.001", diff > 1e-3 if len(pair) > 1 else None,
+                 "the prompt does not change the image: check the text encoders and the conditioning")]
+        records = {r["prompt"]: r for r in lp.eval_prompts}
+        shifted = [rows[(r + 1) % len(rows)][0] for r, (_, im) in enumerate(rows) for _ in im]  # another prompt
+        _, right = lp.reward_fn(images, prompts, [records[p] for p in prompts])
+        _, wrong = lp.reward_fn(images, shifted, [records[p] for p in shifted])
+        for name, scorer in self.scorers.items():
+            key, s = short_reward_name(name), right[name].double().cpu()
+            self.rows += [
+                _row(f"{key}: finite", f"{int(torch.isfinite(s).sum())}/{len(s)}", "all", bool(torch.isfinite(s).all()),
+                     "the scorer returns NaN / inf: check its weights and inputs"),
+                _row(f"{key}: spread over images", f"{s.std().item():.3g}", "> 0", s.std().item() > 1e-6,
+                     "every image gets the same score, so every advantage is zero: check the scorer's weights and "
+                     "preprocessing")]
+            if getattr(scorer, "reads_prompt", False) and len(rows) > 1:
+                d = s - wrong[name].double().cpu()
+                se = d.std().item() / math.sqrt(len(d))
+                ok = d.mean().item() > 0 and d.mean().item() >= PROMPT_SE * se
+                self.rows.append(_row(f"{key}: right vs shifted prompts", f"{s.mean().item():.4g} vs "
+                                      f"{wrong[name].mean().item():.4g} ({d.mean().item() / max(se, 1e-12):+.1f} SE)",
+                                      f">= +{PROMPT_SE:g} SE", ok, "the score ignores the prompt: check the scorer's "
+                                      "tokenizer and text input"))
+            if key in BASE_RANGES:
+                lo, hi = BASE_RANGES[key]
+                self.rows.append(_row(f"{key}: mean on base-model images", f"{s.mean().item():.4g}",
+                                      f"{lo:g} - {hi:g}", lo <= s.mean().item() <= hi, warn=True))
+
+    def see_gradients(self, params: list, overflow_possible: bool):
+        """From StepGuard.step, before clipping: each tensor's gradient finite and nonzero (over all ranks) and
+        the norm, of the first optimizer step (under fp16 loss scaling: the first without a scaler overflow)."""
+        if self.grads is not None:
+            return
+        grads = [None if p.grad is None else p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in params]
+        dev = self.loop.rt.device
+        finite_ = all_ranks([g is None or bool(torch.isfinite(g).all()) for g in grads], dev, dist.ReduceOp.MIN)
+        nonzero = all_ranks([g is not None and bool(g.any()) for g in grads], dev, dist.ReduceOp.MAX)
+        if overflow_possible and not all(finite_):
+            return                                            # the scaler backs off; the next step is recorded
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm       # FSDP2: over all shards
+        names = {id(p): n for n, p in self.loop.adapter.transformer.named_parameters()}
+        by_name = {names.get(id(p), str(i)): (p, nz) for i, (p, nz) in enumerate(zip(params, nonzero))}
+        # a fresh LoRA's A gets no gradient while its B is still zero (peft starts B at 0)
+        starved = [n for n, (p, nz) in by_name.items() if not nz and not (
+            "lora_A" in n and n.replace("lora_A", "lora_B") in by_name
+            and not by_name[n.replace("lora_A", "lora_B")][0].detach().any())]
+        self.grads = {"finite": int(sum(finite_)), "nonzero": int(sum(nonzero)), "starved": starved,
+                      "count": len(params), "norm": norm.item()}
+
+    def end(self, metrics: dict):
+        lp, a, rt = self.loop, self.loop.args, self.loop.rt
+        _sync(rt.device)
+        iteration_s = time.perf_counter() - self.tic
+        tol = ON_POLICY_TOL[rt.device.type]
+        ratio, kl, zero = all_ranks([metrics.get("ratio_dev_first_update", math.nan),
+                                     metrics.get("kl_first_update", math.nan), metrics.get("zero_std_frac", 0.0)],
+                                    rt.device, dist.ReduceOp.MAX)
+        g = self.grads or {"finite": 0, "nonzero": 0, "starved": ["(no optimizer step)"], "count": len(lp.params),
+                           "norm": math.nan}
+        moved = int(all_ranks([(self.before.view(-1, 2) != _fingerprint(lp.params).view(-1, 2)).any(1).sum()],
+                              rt.device, dist.ReduceOp.MAX)[0])
+        self.rows += [
+            _row("groups with all rewards equal", f"{zero:.2f}", "< 0.5", zero < 0.5, "every advantage is zero, "
+                 "nothing trains: raise --group-size or use a reward with more spread", warn=zero < 1),
+            _row("first update max abs(ratio - 1)", f"{ratio:.3g}", f"<= {tol:g}", ratio <= tol,
+                 "the update's log-probs differ from the rollout's: the same micro-batches, dtype and train/eval "
+                 "mode in both"),
+            _row("first update KL", f"{kl:.3g}", f"<= {tol:g}" if self.start == 0 else "(resumed)",
+                 kl <= tol if self.start == 0 else None, "the KL reference is not the starting policy"),
+            _row("gradients finite", f"{g['finite']}/{g['count']}", "all", g["finite"] == g["count"],
+                 "NaN / inf gradients: a non-finite reward or loss, or a --lr / --dtype too aggressive"),
+            _row("tensors with a gradient", f"{g['count'] - len(g['starved'])}/{g['count']}", "all",
+                 not g["starved"], f"no gradient reaches {', '.join(g['starved'][:3])}: are they in the forward pass "
+                 f"(the LoRA targets) and in the loss (all-zero advantages reach none)?"),
+            _row("gradient norm before clipping", f"{g['norm']:.3g}", f"clipped to {a.grad_clip:g}"),
+            _row("parameters moved", f"{moved}/{len(lp.params)}", f">= {g['nonzero']} (those with a gradient)",
+                 moved >= g["nonzero"] and moved > 0,
+                 "the optimizer step changed no weights: is the optimizer built on the trained parameters?")]
+        if rt.distributed and not a.fsdp:
+            diff = rank_param_diff(lp.params)
+            self.rows.append(_row("replicas agree after the update", f"{diff:.3g}", "0", diff == 0,
+                                  "the ranks' weights drifted apart: every rank must take the same optimizer step"))
+        import resource
+        peak = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024       # Linux: kB
+        peak = all_ranks([peak], rt.device, dist.ReduceOp.MAX)[0]
+        self.rows.append(_row("peak memory per device", f"{peak / 2**30:.2f} GiB of {self.total / 2**30:.0f}",
+                              "< 90%", peak < 0.9 * self.total, warn=True))
+        # ---- 5. Projection: the measured iteration and evaluation, multiplied out ----
+        iters = a.iterations - self.start
+        evals = sum(1 for i in range(self.start, a.iterations + 1) if a.eval_every and (i % a.eval_every == 0 or
+                                                                                        i == a.iterations))
+        hours = (iters * iteration_s + evals * self.eval_s) / 3600
+        split = ", ".join(f"{k[2:]} {v:.2f}" for k, v in metrics.items() if k.startswith("t_"))
+        self.rows += [_row("one iteration, s", f"{iteration_s:.2f} ({split})"),
+                      _row("one evaluation, s", f"{self.eval_s:.2f}"),
+                      _row("whole run", f"{hours:.3g} h, {hours * rt.world_size:.3g} device-hours",
+                           f"{iters} iterations, {evals} evaluations"),
+                      _row("checkpoints on disk", f"{self.saves * self.checkpoint_bytes / 2**30:.2f} GiB",
+                           f"{self.saves} x {self.checkpoint_bytes / 2**30:.3f} GiB")]
+        fails = int(all_ranks([sum(r[3] == "FAIL" for r in self.rows)], rt.device, dist.ReduceOp.MAX)[0])
+        report = {"passed": not fails, "rows": [dict(zip(("check", "value", "expected", "status", "advice"), r))
+                                                for r in self.rows],
+                  "measured": {"iteration_s": iteration_s, "eval_s": self.eval_s, "model_s": self.model_s,
+                               "overhead": iteration_s / self.model_s if self.model_s else None,
+                               "peak_bytes": peak, "total_bytes": self.total},
+                  "projection": {"iterations": iters, "evaluations": evals, "saves": self.saves, "hours": hours,
+                                 "device_hours": hours * rt.world_size, "checkpoint_bytes": self.checkpoint_bytes,
+                                 "disk_bytes": self.saves * self.checkpoint_bytes},
+                  "metrics": {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                              for k, v in metrics.items()}}
+        names = (lp.run.dir / f"preflight{f'-{i}' if i else ''}.json" for i in itertools.count())
+        path = broadcast_object(next(p for p in names if not p.exists()) if rt.is_main else None)  # keeps older ones
+        if rt.is_main:
+            write_atomic(path, json.dumps(report, indent=2))
+            print(preflight_table(self.rows), flush=True)
+        Preflight.active = None
+        raise TrainingStopped(f"preflight {'FAILED ' + str(fails) + ' check(s)' if fails else 'passed'}; report in "
+                              f"{path}; nothing was trained or saved", exit_code=1 if fails else 0)
+
+
+def preflight_table(rows: list[tuple]) -> str:
+    """The rows as a Markdown table, each FAIL's advice on a line below it."""
+    out = ["| check | value | expected | status |", "|---|---|---|---|"]
+    out += [f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows]
+    return "\n".join(out + [f"FAIL {c}: {advice}" for c, _, _, s, advice in rows if s == "FAIL"])
 
 
 # =============================================================================================

@@ -96,6 +96,9 @@ class Args:
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
                               "LoRA runs replicate with DDP")
+    preflight: bool = field(False, "check the set-up, the rewards and one measured iteration and project the run's "
+                                   "cost, then stop (exit 1 if a check FAILed) without training on or saving: "
+                                   "writes preflight.json in the run folder (README, Before a long run)")
     # <<< shared: args
     # --- Flow-GRPO ---
     iterations: int = field(30, "training iterations (rollout + update)")

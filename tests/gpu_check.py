@@ -1,36 +1,35 @@
-"""The full-scale check: every trainer on FLUX.1-dev's and SD3.5-Medium's published architectures with random
-weights (`--model-path random`, common.random_pipeline: nothing is downloaded), scored by a random-weight reward
-model of PickScore's architecture (CLIP ViT-H/14), so every cost is real and no reward means anything. One table:
-seconds per iteration split into rollout / reward / update, images scored per second, peak GPU memory, and the
-framework's overhead: the iteration's model time (rollout + update) over the bare transformer passes it needs
-(its logged forward rows and forward+backward rows, each timed in the same process on the same module at the
-trainer's micro-batch, after the run).
+"""The full-scale check: a --preflight run of every trainer on FLUX.1-dev's and SD3.5-Medium's published
+architectures with random weights (`--model-path random`, common.random_pipeline: nothing is downloaded), scored by
+a random-weight reward model of PickScore's architecture (CLIP ViT-H/14) registered as `pickscore`, so every cost
+is real and no reward means anything (its checks FAIL or WARN, as they should). One table of what each preflight
+measured in its one iteration: seconds split into rollout / reward / update, images scored per second, peak memory,
+and the framework's overhead: the iteration's seconds over the seconds spent inside its model calls (text encoders,
+transformer forwards and backwards, VAE decodes, scorers), both timed in that iteration (common.Preflight).
 
 On a GPU, per model: each trainer at its full-scale settings (LoRA, gradient checkpointing, its per-GPU
-micro-batch M and dtype) with one prompt per iteration and a reduced group (GROUPS below), at 512 px, for 2
-iterations (the second measured); then flow_grpo without gradient checkpointing (every trainer with --full, 4
-iterations, the last 3 measured). Each model runs in its own worker process; a run that breaks the CUDA context
-(e.g. an illegal memory access) is recorded with its error, and the same trainer is retried without gradient
-checkpointing and with the flash attention kernel off, to show which setting avoids it.
+micro-batch M and dtype) with one prompt per iteration and a reduced group (GROUPS below), at 512 px; then
+flow_grpo without gradient checkpointing (every trainer with --full). The preflight's evaluation images come
+first, so the measured iteration runs after the sampling path has warmed up. Each model runs in its own worker
+process; a run that breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the
+same trainer is retried without gradient checkpointing and with the flash attention kernel off, to show which
+setting avoids it.
 On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 64 px,
-32 T5 tokens, micro-batch 1, 4 sampling steps and one iteration, with checkpointing only: this keeps the path
-working (a test runs it); its times mean nothing.
+32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation images, with checkpointing only: this
+keeps the path working (a test runs it); its times mean nothing.
 
   python tests/gpu_check.py --quick            # meant to fit 8 minutes on one H200 (not yet timed there)
-  python tests/gpu_check.py --full             # every trainer with and without checkpointing, 4 iterations
+  python tests/gpu_check.py --full             # every trainer with and without checkpointing
   python tests/gpu_check.py --models sd3 --trainers flow_grpo,g2rpo    # a subset
   python tests/gpu_check.py --computed         # no run: the memory every full-scale run needs before activations
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -63,12 +62,12 @@ CLIP_H = {"text_config": dict(vocab_size=49408, hidden_size=1024, intermediate_s
 
 
 # ---- one run, inside a worker ----
-def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, iterations: int, out: Path) -> list[str]:
+def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, out: Path) -> list[str]:
     """The command line of one run: the trainer's full-scale defaults for `family`, resized as above."""
     module = importlib.import_module(trainer)
     M = module.MODEL_DEFAULTS[family]["micro_batch"] if gpu else 1
     argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
-            "--reward", "pickscore-random", "--iterations", iterations, "--eval-every", 0, "--save-every", 0,
+            "--eval-every", 0, "--save-every", 0,
             "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
             "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing",
             *GROUPS.get(trainer, two_micro_batches)(M)]
@@ -77,7 +76,7 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, iterations: i
     if gpu:
         argv += ["--resolution", 512]
     else:
-        argv += ["--resolution", 64, "--max-sequence-length", 32, "--threads", 2]
+        argv += ["--resolution", 64, "--max-sequence-length", 32, "--threads", 2, "--eval-images", 4, "--eval-steps", 4]
         if "--sample-steps" not in argv:
             argv += ["--sample-steps", 4]
         argv += ["--checkpoints", "2,3"] if trainer == "pro_grpo" else []
@@ -96,7 +95,7 @@ def clip_h(layers: int | None = None):
 
 def random_pickscore():
     """PickScore's scorer (its preprocessing, logit and scale) on clip_h with random weights: full depth on a GPU,
-    one layer per tower on CPU; common's offline CLIP tokenizer. Registered as the reward "pickscore-random"."""
+    one layer per tower on CPU; common's offline CLIP tokenizer. The workers register it as the reward "pickscore"."""
     import torch
     from transformers import CLIPTokenizer
 
@@ -114,91 +113,46 @@ def random_pickscore():
     return RandomPickScore
 
 
-@contextlib.contextmanager
-def captured_adapter(box: dict):
-    """Keeps the adapter the trainer loads (common.load_model), to time its transformer after the run."""
-    import common
-    load = common.load_model
-
-    def keep(*args, **kwargs):
-        box["adapter"] = load(*args, **kwargs)
-        return box["adapter"]
-    common.load_model = keep
-    try:
-        yield box
-    finally:
-        common.load_model = load
-
-
-def bare_seconds_per_row(adapter, rows: int, grad: bool, repeats: int = 3) -> float:
-    """Median seconds per transformer row of adapter.velocity at `rows` samples (CFG doubles the rows the
-    transformer sees; counted by the adapter's hook), without grad, or forward + backward with it."""
-    import torch
-    sync = torch.cuda.synchronize if adapter.device.type == "cuda" else (lambda: None)
-    cond = adapter.encode(["a photo of a cat"] * rows)
-    x = adapter.noise(rows)
-    net = adapter.transformer.train(grad)
-    times = []
-    for _ in range(repeats + 1):                                  # the first is a warm-up
-        before = adapter.counts["fwd_grad" if grad else "fwd"]
-        sync()
-        tic = time.perf_counter()
-        with torch.set_grad_enabled(grad):
-            v = adapter.velocity(net, x, 0.7, cond)
-            if grad:
-                v.square().mean().backward()
-        sync()
-        times.append((time.perf_counter() - tic) / (adapter.counts["fwd_grad" if grad else "fwd"] - before))
-    net.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
-
-
-def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, iterations: int, out: Path) -> dict:
+def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, out: Path) -> dict:
+    """One --preflight run of `trainer` (trainer_argv); its preflight.json gives the columns."""
     import torch
 
     import common
     torch.backends.cuda.enable_flash_sdp(flash)
     module = importlib.import_module(trainer)
     run_dir = out / f"{family}-{trainer}-{'ckpt' if ckpt else 'nockpt'}{'' if flash else '-noflash'}"
-    argv = trainer_argv(trainer, family, ckpt, gpu, iterations, run_dir)
+    args = common.cli(module.Args, [*trainer_argv(trainer, family, ckpt, gpu, run_dir), "--preflight"],
+                      module.MODEL_DEFAULTS)
     gc.collect()                                                  # the last run's models (adapters hold cycles)
     if gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    box = {}
-    with captured_adapter(box):
-        module.main(common.cli(module.Args, argv, module.MODEL_DEFAULTS))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else None
-    lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in lines if "nfe_fwd" in m]
-    steps = steps[1:] or steps                                    # the first iteration warms up
-    mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in steps)  # noqa: E731
-    args = json.loads((run_dir / "args.json").read_text())
-    t = {"rollout": mean("t_rollout") + mean("t_surrogate_old"), "reward": mean("t_reward") + mean("t_preview"),
-         "update": mean("t_update")}
-    adapter = box.pop("adapter")
-    fwd = bare_seconds_per_row(adapter, args["micro_batch"], grad=False)
-    fwd_bwd = bare_seconds_per_row(adapter, args["micro_batch"], grad=True)
-    bare = mean("nfe_fwd") * fwd + mean("nfe_fwd_bwd") * fwd_bwd
-    del adapter
-    gc.collect()
+    try:
+        module.main(args)
+    except common.TrainingStopped:                                # the preflight's own stop, exit 0 or 1
+        if not (run_dir / "preflight.json").exists():
+            raise
+    report = json.loads((run_dir / "preflight.json").read_text())
+    m, line = report["measured"], report["metrics"]
+    fails = [r["check"] for r in report["rows"] if r["status"] == "FAIL"]
     return {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "status": "ok",
-            "resolution": args["resolution"], "group": args["group_size"], "micro_batch": args["micro_batch"],
-            "lora_rank": args["lora_rank"], "dtype": args["dtype"], "sample_steps": args["sample_steps"],
-            "peak_gib": peak, "s_per_it": sum(t.values()), **{f"t_{k}": v for k, v in t.items()},
-            "images_per_s": mean("reward_calls") / sum(t.values()), "nfe_fwd": mean("nfe_fwd"),
-            "nfe_fwd_bwd": mean("nfe_fwd_bwd"), "bare_fwd_s_per_row": fwd, "bare_fwd_bwd_s_per_row": fwd_bwd,
-            "overhead": (t["rollout"] + t["update"]) / bare}
+            "resolution": args.resolution, "group": args.group_size, "micro_batch": args.micro_batch,
+            "lora_rank": args.lora_rank, "dtype": args.dtype, "sample_steps": args.sample_steps,
+            "peak_gib": m["peak_bytes"] / 2**30, "s_per_it": m["iteration_s"],
+            "t_rollout": line["t_rollout"] + line.get("t_surrogate_old", 0.0), "t_reward": line["t_reward"],
+            "t_update": line["t_update"], "images_per_s": line["reward_calls"] / m["iteration_s"],
+            "nfe_fwd": line["nfe_fwd"], "nfe_fwd_bwd": line["nfe_fwd_bwd"], "model_s": m["model_s"],
+            "overhead": m["overhead"], "preflight_fails": fails}
 
 
-def worker(family: str, runs: list[list], gpu: bool, iterations: int, out: Path):
+def worker(family: str, runs: list[list], gpu: bool, out: Path):
     """Runs `runs` ([trainer, ckpt, flash]) in this process, appending each result to out/results.jsonl; exits 3
     once the CUDA context is broken (the parent starts a new worker for the rest)."""
     import common
-    common.REWARDS["pickscore-random"] = random_pickscore()
+    common.REWARDS["pickscore"] = random_pickscore()             # --reward pickscore, the full-scale default
     for trainer, ckpt, flash in runs:
         try:
-            result = one_run(family, trainer, ckpt, flash, gpu, iterations, out)
+            result = one_run(family, trainer, ckpt, flash, gpu, out)
         except Exception as e:  # noqa: BLE001 - recorded in the table, then the next run
             result = {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash,
                       "status": f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
@@ -222,8 +176,8 @@ def run_family(family: str, runs: list[list], a, out: Path) -> list[dict]:
     results, todo = [], list(runs)
     while todo:
         before = len(read_results(out))
-        cmd = [sys.executable, __file__, "--worker", family, "--runs", json.dumps(todo), "--out", str(out),
-               "--iterations", str(a.iterations)] + (["--cpu"] if a.cpu else [])
+        cmd = [sys.executable, __file__, "--worker", family, "--runs", json.dumps(todo), "--out", str(out)] + \
+            (["--cpu"] if a.cpu else [])
         proc = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
         new = read_results(out)[before:]
         if proc.returncode and len(new) < len(todo) and (not new or new[-1]["status"] == "ok"):
@@ -261,7 +215,7 @@ def versions() -> str:
 
 def table(results: list[dict]) -> str:
     head = ["model", "trainer", "checkpointing", "px", "group (M)", "LoRA", "dtype", "peak GiB", "s/it", "rollout",
-            "reward", "update", "img/s", "overhead", "status"]
+            "reward", "update", "img/s", "overhead", "status", "preflight FAILs"]
     rows = []
     for r in results:
         ok = r["status"] == "ok"
@@ -271,7 +225,8 @@ def table(results: list[dict]) -> str:
         rows.append([r["model"], r["trainer"], ("on" if r["ckpt"] else "off") + ("" if r["flash"] else ", no flash"),
                      str(r.get("resolution", "-")), f"{r['group']} ({r['micro_batch']})" if ok else "-",
                      str(r.get("lora_rank", "-")), r.get("dtype", "-"), f("peak_gib", 1), f("s_per_it"),
-                     f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), f("overhead"), r["status"]])
+                     f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), f("overhead"), r["status"],
+                     ", ".join(r["preflight_fails"]) or "none" if ok else "-"])
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                      ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -336,9 +291,9 @@ def computed(trainers: list[str]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the default: 2 iterations on a GPU, the second measured")
-    ap.add_argument("--full", action="store_true", help="4 iterations (3 measured), every trainer without "
-                                                          "checkpointing too")
+    ap.add_argument("--quick", action="store_true", help="the default: every trainer with checkpointing, "
+                                                           "flow_grpo without too on a GPU")
+    ap.add_argument("--full", action="store_true", help="every trainer without checkpointing too")
     ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated: flux, sd3")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
     ap.add_argument("--out", default=None, help="output folder (default runs/gpu-check-<time>)")
@@ -346,7 +301,6 @@ def main(argv=None):
     ap.add_argument("--computed", action="store_true", help="print the computed memory table and stop")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--runs", help=argparse.SUPPRESS)
-    ap.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     families = [m.strip() for m in a.models.split(",")]
     trainers = [t.strip() for t in a.trainers.split(",")]
@@ -358,8 +312,7 @@ def main(argv=None):
     import torch
     gpu = torch.cuda.is_available() and not a.cpu
     if a.worker:
-        return worker(a.worker, json.loads(a.runs), gpu, a.iterations, Path(a.out))
-    a.iterations = 4 if a.full else 2 if gpu else 1
+        return worker(a.worker, json.loads(a.runs), gpu, Path(a.out))
     a.cpu = not gpu
     out = Path(a.out or f"runs/gpu-check-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if (out / "results.jsonl").exists():
@@ -371,8 +324,7 @@ def main(argv=None):
         results += run_family(family, plan(trainers, a.full, gpu), a, out)
         print(f"{family}: {len(results)} runs done, {time.time() - tic:.0f} s", flush=True)
     mode = "full depth, 512 px" if gpu else "CPU: reduced depth (random:1 / random:2), 64 px; times mean nothing"
-    measured = {4: "the last 3 measured", 2: "the second measured", 1: "measured"}[a.iterations]
-    text = f"Measured {versions()}; {mode}; {a.iterations} iteration(s) per run, {measured}.\n\n{table(results)}"
+    text = f"Measured {versions()}; {mode}; one --preflight iteration per run.\n\n{table(results)}"
     print("\n" + text)
     (out / "gpu_check.md").write_text(text + "\n")
     print(f"\n{out}/gpu_check.md, {out}/results.jsonl; {time.time() - tic:.0f} s in all")
