@@ -267,6 +267,8 @@ _SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
+    """The first SIGTERM / SIGINT asks for a checkpoint and stop (and cuts an `interruptible` block short); a second
+    ends the process at once, exit status 128 + the signal."""
     name = signal.Signals(signum).name
     if _SIGNALLED["signum"]:  # a second signal: stop now
         print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)

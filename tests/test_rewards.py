@@ -429,3 +429,5 @@ def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
     failures = text[text.index("Failures:"):]                       # torchrun's summary: both ranks exited with 1
     assert "[1]:" in failures and "[0]:" in failures and "exitcode: 1" in text
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0]  # iteration 0 logged; 1 stopped both
+    assert text.count(f"checkpoint iter_000001 saved: continue with --resume {tmp_path / 'r'}") == 1  # rank 0
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000001"
