@@ -33,9 +33,12 @@ import random
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -217,12 +220,13 @@ class UsageError(ValueError):
 
 
 class TrainingStopped(RuntimeError):
-    """The run ended early on purpose (a signal, non-finite steps, a failed write), with a message that says what
-    was saved and how to go on; `exit_code` is the process's exit status."""
+    """The run ended early on purpose (a signal, non-finite steps, a failed write, a failed reward), with a message
+    that says what was saved and how to go on; `exit_code` is the process's exit status. `save_state`: the weights
+    are intact, so run_cli checkpoints the iteration under way first if none of its optimizer steps has run."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = 1, save_state: bool = False):
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.save_state = exit_code, save_state
 
 
 def at_least(minimum: float, **flags):
@@ -235,11 +239,18 @@ def at_least(minimum: float, **flags):
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
     """`python <trainer>.py ...`: parses the command line and runs main with SIGTERM / SIGINT turned into a
     request to checkpoint and stop (`signalled`). A UsageError or TrainingStopped is one line on stderr and exit
-    status 2 or the stop's own, without a traceback."""
+    status 2 or the stop's own, without a traceback. A run stopped by a failed reward, or by an error of a single
+    process, is first checkpointed by its TrainingLoop (`after_failure`)."""
     prog = Path(sys.argv[0]).name
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    TrainingLoop.active = None
     try:
-        main(cli(args_cls, argv, model_defaults))
+        try:
+            main(cli(args_cls, argv, model_defaults))
+        except Exception as e:
+            if TrainingLoop.active is None or isinstance(e, UsageError):
+                raise
+            TrainingLoop.active.after_failure(e)
     except UsageError as e:
         print0(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -247,20 +258,44 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
         print0(f"{prog}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     finally:
+        TrainingLoop.active = None
         for s, h in handlers.items():
             signal.signal(s, h)
+        _release_folder()
         cleanup_runtime()
 
 
-_SIGNALLED = {"signum": 0}
+_SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
+    """The first SIGTERM / SIGINT asks for a checkpoint and stop (and cuts an `interruptible` block short); a second
+    ends the process at once, exit status 128 + the signal."""
+    name = signal.Signals(signum).name
     if _SIGNALLED["signum"]:  # a second signal: stop now
-        raise KeyboardInterrupt
+        print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
     _SIGNALLED["signum"] = signum
-    print(f"\n{signal.Signals(signum).name} received: the run will checkpoint and stop at the next safe point "
-          f"(send it again to stop at once)", file=sys.stderr, flush=True)
+    print(f"\n{name} received: the run will checkpoint and stop at the next safe point (send it again to stop "
+          f"at once)", file=sys.stderr, flush=True)
+    if _SIGNALLED["blocking"]:
+        raise TrainingStopped(f"{name} received during a blocking call")
+
+
+@contextlib.contextmanager
+def interruptible():
+    """A block of the main thread that may wait long on something outside (a remote scorer): SIGTERM / SIGINT,
+    before or during it, raises TrainingStopped there, so the run goes on to its checkpoint-and-stop path."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers run in the main thread only
+        yield
+        return
+    if _SIGNALLED["signum"]:
+        raise TrainingStopped(f"{signal.Signals(_SIGNALLED['signum']).name} received before a blocking call")
+    _SIGNALLED["blocking"] = True
+    try:
+        yield
+    finally:
+        _SIGNALLED["blocking"] = False
 
 
 def signalled(device) -> int:
@@ -406,7 +441,10 @@ class TrainingLoop:
             ...                             # the method: rollout, rewards, update, metrics.update(...)
             loop.end(metrics)
         return loop.finish()
+
+    A run stopped by an exception on its way (`after_failure`, from run_cli) keeps the last completed iteration.
     """
+    active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None, meta: dict,
                  eval_prompts: list[dict], reward_fn):
@@ -417,8 +455,10 @@ class TrainingLoop:
         self.t0 = time.time() - elapsed
         wandb = args.wandb and not args.preflight
         self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if wandb else None)
-        self.it, self.metrics = run.start, {}
+        self.it, self.metrics, self.dirty = run.start, {}, False
+        optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
         Preflight.active = self.preflight = Preflight(self) if args.preflight else None
+        TrainingLoop.active = self
 
     def seconds(self) -> float:
         """Training seconds so far (the log's time_s)."""
@@ -441,6 +481,29 @@ class TrainingLoop:
             raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
                                   f"saved; continue with --resume {self.run.dir}", exit_code=128 + signum)
 
+    def after_failure(self, e: Exception):
+        """Ends a run stopped by exception `e` (run_cli calls it), keeping what it can, by raising the TrainingStopped
+        that says what was kept. Raised as they are: a TrainingStopped without `save_state` (the weights may not be
+        finite, a write failed, a signal was handled) and, under torchrun, any other exception (it may be on one
+        rank only). Otherwise the weights are intact: if no optimizer step of the current iteration has run, its
+        starting state is checkpointed (by the usual signal stop if a signal cut a blocking call short), else the
+        line names the newest checkpoint."""
+        intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
+        if not intact or self.preflight:  # a preflight never leaves a checkpoint
+            raise e
+        what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
+        if not isinstance(e, TrainingStopped):
+            traceback.print_exception(e)
+        if not self.dirty:
+            self.stop_if_signalled(self.it)
+            saved = self.save(self.it)
+            raise TrainingStopped(f"{what}; checkpoint {saved.name} saved: continue with --resume {self.run.dir}",
+                                  getattr(e, "exit_code", 1))
+        newest = newest_checkpoint(self.run.dir)
+        raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
+                              (f"the newest checkpoint is {newest.name}, continue with --resume {self.run.dir}"
+                               if newest else "there is no checkpoint yet"))
+
     def evaluate(self, it: int) -> dict:
         """The held-out evaluation (of the EMA weights, if kept) and its image grid eval_NNNNNN.png, a row per
         prompt; its time is taken off the clock."""
@@ -461,7 +524,7 @@ class TrainingLoop:
         first checks, then the one measured iteration, whatever is due."""
         a = self.args
         self.stop_if_signalled(it)
-        self.it, self.metrics = it, {"iteration": it}
+        self.it, self.metrics, self.dirty = it, {"iteration": it}, False
         if self.preflight:
             self.preflight.begin(it)
             return self.metrics
@@ -490,6 +553,7 @@ class TrainingLoop:
     def finish(self) -> dict:
         """The final checkpoint; returns the last metrics line."""
         self.save(self.it)
+        _release_folder()
         cleanup_runtime()
         return self.metrics
 
@@ -1289,9 +1353,11 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 class RemoteReward:
     """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
-    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A failed
-    request is retried `retries` times with doubling waits, then the run stops naming the URL; a wrong count or a
-    non-finite score stops it at once: never a silent zero in the advantages."""
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A request
+    has `timeout` seconds in all (connecting, waiting, reading). One that fails (no answer, past the deadline, HTTP
+    5xx, a reply cut short or not JSON) is retried `retries` times with doubling waits, then the run stops naming the
+    URL; HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once: never a silent
+    zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
 
     reads_prompt = True  # assumed: the protocol does not say
 
@@ -1300,7 +1366,7 @@ class RemoteReward:
 
     def __call__(self, images, prompts, metadata=None):
         import base64
-        import urllib.error
+        import http.client
         import urllib.request
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
@@ -1310,58 +1376,120 @@ class RemoteReward:
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        for attempt in range(self.retries + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    text = reply.read().decode()
-                break
-            except urllib.error.HTTPError as e:  # the server answered with an error: say what it said
-                detail = e.read().decode(errors="replace")[:300]
-                raise TrainingStopped(f"reward server {self.url} answered HTTP {e.code}: {detail}") from None
-            except (OSError, TimeoutError) as e:
+        expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
+        with interruptible():
+            for attempt in range(self.retries + 1):
+                raw = b""
+                try:
+                    status, raw = _post(request, self.timeout)
+                    if status < 400:
+                        reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
+                        break
+                    failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
+                    if status < 500:  # the request itself is wrong: retrying cannot help
+                        raise TrainingStopped(f"reward server {self.url} {failure}")
+                except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
+                    failure = f"did not answer ({type(e).__name__}: {e})"
+                except ValueError:  # not UTF-8 or not JSON
+                    failure = f"sent {raw[:200].decode(errors='replace')!r}"
                 if attempt == self.retries:
-                    raise TrainingStopped(f"reward server {self.url} did not answer ({type(e).__name__}: {e}) after "
-                                          f"{self.retries + 1} tries with a {self.timeout:g} s timeout; start it "
-                                          f"(python common.py serve-reward) or fix the URL in --reward") from None
+                    raise TrainingStopped(f"reward server {self.url} {failure} ({attempt + 1} tries, a "
+                                          f"{self.timeout:g} s deadline each); expected {expected}: check that it "
+                                          f"runs (python common.py serve-reward) at the URL in --reward")
                 time.sleep(self.backoff * 2 ** attempt)
+        scores = reply.get("scores") if isinstance(reply, dict) else None
+        ok = isinstance(scores, list) and len(scores) == len(encoded) and all(type(x) is float for x in scores)
+        scores = torch.tensor(scores if ok else [], dtype=torch.float32)
+        if not ok or not torch.isfinite(scores).all():  # after the cast: 1e39 is inf in float32
+            raise TrainingStopped(f"reward server {self.url} sent {raw[:200].decode(errors='replace')!r} for "
+                                  f"{len(encoded)} images: expected {expected}")
+        return scores.to(self.device)
+
+
+def _post(request, timeout: float) -> tuple[int, bytes]:
+    """Sends a urllib request and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
+    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read.
+    The request runs in a daemon thread, abandoned if it overruns."""
+    import urllib.error
+    import urllib.request
+    box = []
+
+    def fetch():
         try:
-            scores = json.loads(text)["scores"]
-            scores = [float(x) for x in scores if not isinstance(x, bool)] if isinstance(scores, list) else None
-        except (ValueError, TypeError, KeyError):
-            scores = None
-        if scores is None or len(scores) != len(encoded) or not all(map(math.isfinite, scores)):
-            raise TrainingStopped(f"reward server {self.url} sent {text[:200]!r} for {len(encoded)} images: expected "
-                                  f'{{"scores": [{len(encoded)} finite numbers]}}')
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                box.append((reply.status, reply.read()))
+        except urllib.error.HTTPError as e:
+            box.append((e.code, e.read()))
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
+            box.append(e)
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        raise TimeoutError(f"no complete reply within {timeout:g} s")
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def serve_reward(argv=None):
     """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
-    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there."""
+    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
+    batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
+    error 500; a client that stalls for --timeout seconds is dropped, one that leaves early is one line on stderr."""
     import base64
-    import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
     ap.add_argument("--reward", required=True, choices=list(REWARDS))
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may stall before it is dropped")
     a = ap.parse_args(argv)
-    try:
-        scorer, lock = REWARDS[a.reward](device=a.device), threading.Lock()  # one batch at a time on the model
-    except UsageError as e:
-        ap.error(str(e))
+
+    def refuse(message: str):
+        ap.exit(2, f"{ap.prog}: error: {message}\n")
+    if not 0 <= a.port <= 65535:
+        refuse(f"--port {a.port} must be between 0 and 65535")
+    scorer, lock = None, threading.Lock()  # one batch at a time on the model
+
+    def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
+        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata; a ValueError says what is wrong."""
+        batch = json.loads(raw)
+        images, prompts, metadata = (batch.get(k) if isinstance(batch, dict) else None
+                                     for k in ("images", "prompts", "metadata"))
+        if not (isinstance(images, list) and images and isinstance(prompts, list) and len(prompts) == len(images)
+                and all(isinstance(p, str) for p in prompts)
+                and (metadata is None or isinstance(metadata, list) and len(metadata) == len(images))):
+            raise ValueError('expected {"images": [1 or more], "prompts": [a string per image], "metadata": null '
+                             'or [one per image]}')
+        arrays = [np.load(io.BytesIO(base64.b64decode(x, validate=True)), allow_pickle=False) for x in images]
+        if not all(x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3 and x.shape == arrays[0].shape
+                   for x in arrays):
+            raise ValueError(f"images must be .npy uint8 arrays (H, W, 3) of one size, not "
+                             f"{sorted({f'{x.dtype} {x.shape}' for x in arrays})}")
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = a.timeout
+
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
                 return self._send(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
+            size = self.headers.get("Content-Length", "")
+            if not size.isdigit():
+                return self._send(411, {"error": "send a Content-Length"})
+            if int(size) > a.max_request_mb * 2**20:
+                return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
+            raw = self.rfile.read(int(size))
             try:
-                batch = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                images = [np.load(io.BytesIO(base64.b64decode(x))) for x in batch["images"]]
-                images = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 255
+                batch = decode(raw)
+            except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error
+                return self._send(400, {"error": f"{type(e).__name__}: {e}"})
+            try:
                 with lock, torch.no_grad():
-                    scores = scorer(images, batch["prompts"], batch.get("metadata")).float().tolist()
+                    scores = scorer(*batch).float().tolist()
             except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
                 return self._send(500, {"error": f"{type(e).__name__}: {e}"})
             self._send(200, {"scores": scores})
@@ -1377,7 +1505,18 @@ def serve_reward(argv=None):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer((a.host, a.port), Handler)
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):  # a client that stalled or left: one line
+            print(f"dropped a request from {client_address[0]}: {sys.exc_info()[1]!r}", file=sys.stderr, flush=True)
+
+    try:
+        server = Server((a.host, a.port), Handler)
+    except OSError as e:
+        refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
+    try:
+        scorer = REWARDS[a.reward](device=a.device)
+    except UsageError as e:
+        refuse(str(e))
     print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
     server.serve_forever()
 
@@ -1416,7 +1555,7 @@ class WeightedReward:
             dist.all_gather_object(errors, error)
             error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
         if error:
-            raise TrainingStopped(f"the reward failed {error}")
+            raise TrainingStopped(f"the reward failed {error}", save_state=True)  # the weights are intact
         parts = {name: torch.cat([c[name] for c in chunks]) for name in self.weights}
         return self.total(parts), parts
 
@@ -1596,8 +1735,10 @@ class Run:
 
 def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:
     """Decides the run folder and the checkpoint to resume before any model loads, and claims the folder (rank 0
-    decides; every rank gets the answer or the same UsageError). A run folder only grows: nothing in it is moved,
-    rewritten or deleted, so a run continues in place only from its newest checkpoint.
+    decides; every rank gets the answer or the same UsageError). Rank 0 holds the folder until the run ends
+    (_hold_folder): a folder another live run holds is refused. A run folder only grows: nothing in it is moved,
+    rewritten or deleted (but .lock, which names its latest holder), so a run continues in place only from its newest
+    checkpoint.
       - fresh: --output-dir, or a new runs/<trainer>-<model>-<time>-<random>; a folder holding a run is refused;
       - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder),
         which may hold a run only if this is its newest checkpoint; the checkpoint must match `meta`;
@@ -1607,7 +1748,7 @@ def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: 
     run = None
     if rt.is_main:
         try:
-            run = _prepare_run(output_dir, resume, meta, config)
+            run = _prepare_run(output_dir, resume, {**meta, "world_size": rt.world_size}, config)
         except UsageError as e:
             run = e
     run = broadcast_object(run)
@@ -1637,17 +1778,6 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
             with contextlib.suppress(FileExistsError):
                 run_dir.mkdir(parents=True)
                 break
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
-        newest = newest_checkpoint(run_dir)
-        if checkpoint is None and resume != "auto":
-            raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
-                             f"--output-dir")
-        if checkpoint is not None and (source is None or source.resolve() != run_dir.resolve()):
-            raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in a new or empty "
-                             f"--output-dir (nothing in {run_dir} is moved or deleted)")
-        if checkpoint is not None and checkpoint.resolve() != newest.resolve():
-            raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
-                             f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
     run = Run(run_dir)
     if checkpoint is not None:
         run.checkpoint, run.start = checkpoint, check_checkpoint(checkpoint, meta)
@@ -1660,6 +1790,20 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     except OSError as e:
         raise UsageError(f"cannot write to the run folder {run_dir} ({e.strerror}): pass a writable --output-dir") \
             from None
+    lock = _hold_folder(run_dir)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
+        newest = newest_checkpoint(run_dir)
+        if checkpoint is None and resume != "auto":
+            raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
+                             f"--output-dir")
+        if checkpoint is not None and (source is None or source.resolve() != run_dir.resolve()):
+            raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in a new or empty "
+                             f"--output-dir (nothing in {run_dir} is moved or deleted)")
+        if checkpoint is not None and checkpoint.resolve() != newest.resolve():
+            raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
+                             f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
+    os.ftruncate(lock, 0)
+    os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     args_file = run_dir / "args.json"
@@ -1672,6 +1816,32 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     if not args_file.exists():
         write_atomic(args_file, json.dumps(config, indent=2))
     return run
+
+
+_HELD = []  # the open .lock of the run folder this process holds
+
+
+def _hold_folder(run_dir: Path) -> int:
+    """Locks run_dir for this process (an OS lock on run_dir/.lock, which names its holder's pid and host): held
+    until the run finishes, the process ends however it ends, or it prepares its next run. A folder another process
+    holds is refused, naming that process. Returns the lock file's descriptor."""
+    import fcntl
+    _release_folder()
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 300).decode(errors="replace").split() or ["?", "?"]
+        os.close(fd)
+        raise UsageError(f"{run_dir} is in use by another run (pid {holder[0]} on host {holder[-1]}): wait for it to "
+                         f"end or stop it, or pass another --output-dir") from None
+    _HELD.append(fd)
+    return fd
+
+
+def _release_folder():
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> Path:
@@ -1701,8 +1871,8 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint whose trainer, model, LoRA rank or alpha, EMA or FSDP differ from `meta`; returns its
-    iteration."""
+    """Refuses a checkpoint whose trainer, model, LoRA rank or alpha, EMA or FSDP differ from `meta`, and says what
+    changes when its number of ranks differs from meta's "world_size"; returns its iteration."""
     info = checkpoint_info(checkpoint)
     for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
                       ("lora_alpha", "--lora-alpha"), ("ema", "--ema"), ("fsdp", "--fsdp")]:
@@ -1721,6 +1891,11 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
             raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} --fsdp: "
                              f"{'pass --fsdp' if theirs else 'drop --fsdp'} to resume it")
         raise UsageError(f"checkpoint {checkpoint} has {flag} {theirs}, this run {ours}: pass {flag} {theirs}")
+    theirs, ours = info.get("world_size"), meta.get("world_size")
+    if theirs and ours and theirs != ours:
+        print0(f"checkpoint {checkpoint.name} was trained on {theirs} ranks and this run has {ours}: each rank now "
+               f"takes 1/{ours} of --prompts-per-step with its own seeds, so the run continues from the same state "
+               f"but its rollouts differ from those of an unbroken {theirs}-rank run")
     return info["iteration"]
 
 
@@ -1733,7 +1908,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
       - training_state.pt: iteration, elapsed seconds and, without --fsdp, the exact parameters, optimizer, EMA;
         under --fsdp each rank writes its shards of these to sharded/ (torch.distributed.checkpoint, loadable
         under any number of ranks);
-      - checkpoint.json: `meta` and the iteration, which --resume checks.
+      - checkpoint.json: `meta`, the iteration and the number of ranks, which --resume checks.
     Weights not finite on any rank are never written, and a write failing on any rank: both stop the run."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1771,7 +1946,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
                 adapter.transformer.save_pretrained(tmp / "transformer")
         if rt.is_main:
             torch.save(state, tmp / "training_state.pt")
-            (tmp / "checkpoint.json").write_text(json.dumps({**meta, "iteration": iteration}, indent=2))
+            info = {**meta, "iteration": iteration, "world_size": rt.world_size}
+            (tmp / "checkpoint.json").write_text(json.dumps(info, indent=2))
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         error = f"{type(e).__name__}: {e}"
     if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank

@@ -8,8 +8,10 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -346,6 +348,153 @@ def test_sigterm_to_torchrun_stops_both_ranks_with_a_checkpoint_that_resumes_exa
     torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")])
     assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
     assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 12), trained_params(tmp_path / "straight", 12)))
+
+
+def run_in_background(tmp_path, script: str, argv: list) -> tuple[subprocess.Popen, object]:
+    """Runs `script` (Python, with the checkout and tests/ on its path) with argv in a process whose stderr goes to
+    a file; returns the process and the file."""
+    path = tmp_path / "script.py"
+    path.write_text(f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n{script}")
+    err = open(tmp_path / "stderr.txt", "w+")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, str(path), *map(str, argv)], stdout=subprocess.DEVNULL, stderr=err,
+                            env=env, text=True), err
+
+
+def wait_for(condition, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline and proc.poll() is None, f"timed out (exit {proc.poll()})"
+        time.sleep(0.1)
+
+
+def test_sigterm_during_a_reward_call_that_never_returns_checkpoints_and_stops(tmp_path):
+    """The reward server takes requests and never answers (a 600 s deadline): SIGTERM cuts the call short and the
+    run stops as at any safe point, with a checkpoint of the iteration's starting state, no traceback."""
+    from test_rewards import fake_server
+    hang = threading.Event()
+    server = fake_server(lambda body: hang.wait(60) and {})
+    r = tmp_path / "r"
+    with server as url:
+        proc, err = run_in_background(tmp_path, "import common, flow_grpo\ncommon.RemoteReward.__init__.__defaults__ = "
+                                      "('cpu', 600.0, 3, 2.0)\ncommon.run_cli(flow_grpo.main, flow_grpo.Args, "
+                                      "flow_grpo.MODEL_DEFAULTS)\n",
+                                      [*TOY, "--eval-every", "0", "--reward", f"remote:{url}", "--output-dir", r])
+        wait_for(lambda: server.bodies, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        hang.set()
+    text = open(err.name).read()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in text, text
+    assert text.strip().splitlines()[-1] == f"script.py: stopped by SIGTERM at iteration 0, checkpoint saved; " \
+                                            f"continue with --resume {r}"
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000000"
+
+
+def test_a_second_signal_stops_at_once_in_one_line(tmp_path):
+    """A reward that takes 60 s: the first SIGTERM asks for a stop at the next safe point, the second ends the
+    process at once (exit status 128 + 15), with one line and no traceback."""
+    proc, err = run_in_background(tmp_path, "import time, common, flow_grpo\n"
+                                  "class Slow(common.ToyReward):\n"
+                                  "    def __call__(self, *a):\n"
+                                  "        print('scoring', file=sys.stderr, flush=True)\n"
+                                  "        time.sleep(60)\n"
+                                  "common.REWARDS['toy'] = Slow\n"
+                                  "common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)\n",
+                                  [*TOY, "--output-dir", tmp_path / "r"])
+    wait_for(lambda: "scoring" in open(err.name).read(), proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM received:" in open(err.name).read(), proc)
+    tic = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    text = open(err.name).read()
+    assert proc.returncode == 128 + signal.SIGTERM and time.time() - tic < 10 and "Traceback" not in text, text
+    assert text.strip().splitlines()[-1] == "SIGTERM received again: stopping at once, without a checkpoint"
+
+
+def test_an_error_after_an_optimizer_step_saves_nothing_and_names_the_newest_checkpoint(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """SMALL: 2 optimizer steps per iteration; the 3rd (iteration 1's first) raises after changing the weights, so
+    iteration 1's starting state is gone: nothing is saved, the line names iteration 1's checkpoint."""
+    real, calls = torch.optim.AdamW.step, []
+
+    def step(self, *a, **k):
+        real(self, *a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the device fell off the bus")
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    r = tmp_path / "r"
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "3", "--eval-every", "0", "--save-every", "1", "--output-dir", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" in err                     # an unexpected error keeps its traceback
+    assert err.strip().splitlines()[-1].endswith(
+        ": RuntimeError: the device fell off the bus; iteration 1 had begun its update, so its state was not saved: "
+        f"the newest checkpoint is iter_000001, continue with --resume {r}")
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000001", "latest"]
+
+
+def test_an_error_before_the_update_checkpoints_the_iterations_starting_state(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(flow_grpo, "group_advantages", lambda *a: (_ for _ in ()).throw(MemoryError("out of RAM")))
+    r = tmp_path / "r"
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "3", "--eval-every", "0", "--output-dir", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.strip().splitlines()[-1].endswith(
+        f": MemoryError: out of RAM; checkpoint iter_000000 saved: continue with --resume {r}"), err
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000000"
+
+
+# ---- one writer per run folder ----
+HOLDER = """import json, pathlib, common
+ckpt = common.newest_checkpoint(pathlib.Path(sys.argv[1]))  # --resume auto, as a trainer would
+meta = json.loads((ckpt / "checkpoint.json").read_text()) if ckpt else {"trainer": "flow_grpo", "model": "toy"}
+common.prepare_run(sys.argv[1], "auto", meta, {}, common.setup_runtime(0, 1))
+print("holding", file=sys.stderr, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_folder_held_by_a_live_run_is_refused_naming_it_and_is_free_once_it_dies(tmp_path, capsys, monkeypatch):
+    r = tmp_path / "r"
+    holder, err = run_in_background(tmp_path, HOLDER, [r])
+    wait_for(lambda: "holding" in open(err.name).read(), holder)
+    before = snapshot(r)
+    with monkeypatch.context() as m:
+        m.setattr(common, "load_model", lambda *a: pytest.fail("a model loaded"))
+        for extra in ([], ["--resume", "auto"]):
+            message = one_error_line(capsys, flow_grpo, [*TOY, "--output-dir", str(r), *extra])
+            assert f"{r} is in use by another run (pid {holder.pid} on host {socket.gethostname()}): wait for it " \
+                   f"to end or stop it, or pass another --output-dir" in message
+    assert snapshot(r) == before
+    holder.kill()                                                            # as a crash: nothing is cleaned up
+    holder.wait()
+    run(flow_grpo, [*TOY, "--iterations", "1", "--output-dir", str(r)])
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1]
+    holder, err = run_in_background(tmp_path, HOLDER, [r])                  # a finished run lets go of its folder
+    wait_for(lambda: "holding" in open(err.name).read(), holder)
+    holder.kill()
+    holder.wait()
+
+
+# ---- a checkpoint resumed on another number of ranks ----
+def test_a_checkpoint_resumed_on_another_number_of_ranks_says_what_changes(tmp_path, capsys):
+    argv = ["--model", "toy", *small(without=("prompts_per_step",)), "--prompts-per-step", "4", "--eval-every", "0"]
+    r = tmp_path / "r"
+    torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(r)])
+    capsys.readouterr()
+    run(flow_grpo, [*argv, "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
+    out = capsys.readouterr().out
+    assert "checkpoint iter_000001 was trained on 2 ranks and this run has 1: each rank now takes 1/1 of " \
+           "--prompts-per-step with its own seeds" in out, out
+    info = [json.loads((r / "checkpoints" / f"iter_00000{i}" / "checkpoint.json").read_text()) for i in (1, 2)]
+    assert [i["world_size"] for i in info] == [2, 1]
+    run(flow_grpo, [*argv, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    assert "was trained on" not in capsys.readouterr().out                 # the same number: nothing to say
 
 
 # ---- bad input: one line that names the fix, before any model loads ----

@@ -1,21 +1,30 @@
 """Remote rewards: the reference server (`python common.py serve-reward`) started as a real process on loopback
 gives the in-process scores; a dead server, and a server whose answer is wrong, stop the run with one clear
 line instead of a zero reward."""
+import base64
+import contextlib
+import http.client
+import io
 import json
 import math
 import os
+import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd, trained_params
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +82,174 @@ def test_a_dead_server_stops_the_run_within_the_retries():
     ({"scores": [1.0, "high"]}, "not a number"),
     ({"result": [1.0, 2.0]}, "no scores"),
     ("<html>busy</html>", "not JSON"),
+    ({"scores": [1.0, 1e39]}, "finite in Python, inf in float32"),
+    ({"scores": ["0.5", 1.0]}, "a string"),
+    ({"scores": [True, 1.0]}, "a boolean"),
 ])
 def test_a_wrong_answer_is_an_error_never_a_zero(reply, what):
     with fake_server(reply) as url:
         with pytest.raises(common.TrainingStopped, match=f"reward server {url} sent .* expected .*2 finite numbers"):
             common.RemoteReward(url, timeout=5, retries=0)(images(2), ["a", "b"])
+
+
+def http_reply(status: int, body) -> bytes:
+    data = (body if isinstance(body, str) else json.dumps(body)).encode()
+    return f"HTTP/1.0 {status} X\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+OK = http_reply(200, {"scores": [1.0, 2.0]})
+CUT_SHORT = b'HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n{"sco'       # 5 of the 100 bytes promised
+
+
+@pytest.mark.parametrize("first,what", [
+    (http_reply(503, "overloaded"), "HTTP 503"),
+    (http_reply(502, "bad gateway"), "HTTP 502"),
+    (CUT_SHORT, "a reply cut short"),
+    (http_reply(200, "<html>proxy error</html>"), "not JSON"),
+    (b"", "no reply at all"),
+])
+def test_a_failed_request_is_retried(first, what):
+    with raw_server([first, OK]) as server:
+        scores = common.RemoteReward(server.url, timeout=5, retries=2, backoff=0.01)(images(2), ["a", "b"])
+    assert scores.tolist() == [1.0, 2.0] and server.requests == 2, what
+
+
+def test_a_request_the_server_refuses_stops_at_once_and_failures_stop_after_the_retries():
+    with raw_server([http_reply(400, "bad image")]) as server:
+        with pytest.raises(common.TrainingStopped, match="answered HTTP 400: bad image$"):
+            common.RemoteReward(server.url, timeout=5, retries=3, backoff=0.01)(images(2), ["a", "b"])
+    assert server.requests == 1
+    with raw_server([http_reply(503, "overloaded")]) as server:
+        with pytest.raises(common.TrainingStopped, match=r"answered HTTP 503: overloaded \(3 tries, a 5 s deadline"):
+            common.RemoteReward(server.url, timeout=5, retries=2, backoff=0.01)(images(2), ["a", "b"])
+    assert server.requests == 3
+
+
+def test_a_server_that_sends_a_byte_now_and_then_trips_the_deadline():
+    """One byte every 0.2 s never trips a 1 s socket timeout, which restarts with each read: the deadline does."""
+    with raw_server([DRIP]) as server:
+        tic = time.time()
+        with pytest.raises(common.TrainingStopped, match=r"did not answer \(TimeoutError: no complete reply within "
+                                                         r"1 s\) \(2 tries"):
+            common.RemoteReward(server.url, timeout=1, retries=1, backoff=0.01)(images(2), ["a", "b"])
+    assert time.time() - tic < 4 and server.requests == 2
+
+
+def test_a_failing_reward_server_stops_the_run_with_a_checkpoint_of_the_last_iteration(tmp_path, capsys, monkeypatch):
+    """SMALL: 2 scoring requests per iteration. The 3rd request gets a 503 and its retry goes through (the run goes
+    on); from the 6th on every request fails, so iteration 2's rewards never come: the run stops with exit status 1,
+    after checkpointing the state after iterations 0 and 1, the same as a straight 2-iteration run's."""
+    monkeypatch.setattr(common.RemoteReward.__init__, "__defaults__", ("cpu", 5.0, 2, 0.01))  # 3 tries, short waits
+
+    def scores(body):
+        return {"scores": [float(i % 3) for i in range(len(body["images"]))]}
+    server = fake_server(lambda body: (503, "overloaded") if len(server.bodies) in (3, 6, 7, 8) else scores(body))
+    r, straight = tmp_path / "r", tmp_path / "straight"
+    argv = [*SMALL, "--eval-every", "0", "--iterations", "4"]
+    with server as url, pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*argv, "--reward", f"remote:{url}", "--output-dir", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"{Path(sys.argv[0]).name}: the reward failed reward server {url} answered HTTP 503: overloaded "
+        f"(3 tries, a 5 s deadline each); expected {{\"scores\": [4 finite numbers]}}: check that it runs (python "
+        f"common.py serve-reward) at the URL in --reward; checkpoint iter_000002 saved: continue with --resume {r}")
+    assert len(server.bodies) == 8 and [m["iteration"] for m in read_metrics(r)] == [0, 1]
+    with fake_server(scores) as url:
+        run(flow_grpo, [*argv, "--iterations", "2", "--reward", f"remote:{url}", "--output-dir", str(straight)])
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 2), trained_params(straight, 2)))
+
+
+def npy(array) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def post(url: str, body: bytes, length: int | None = None) -> tuple[int, dict]:
+    """POSTs raw bytes (with a Content-Length of `length` if given); returns the status and the JSON answer."""
+    host, port = url.split("/")[2].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/jpeg")
+    conn.putheader("Content-Length", str(len(body) if length is None else length))
+    conn.endheaders(body)
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read())
+
+
+def test_the_server_answers_400_to_a_bad_request_413_to_a_huge_one_and_drops_stalled_clients(tmp_path):
+    cmd = [sys.executable, str(ROOT / "common.py"), "serve-reward", "--reward", "jpeg", "--port", "0", "--timeout",
+           "1", "--max-request-mb", "1"]
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        while "serving" not in (tmp_path / "server.log").read_text() and proc.poll() is None:
+            time.sleep(0.1)
+        url = (tmp_path / "server.log").read_text().split()[-1]
+        good = np.zeros((8, 8, 3), np.uint8)
+
+        def batch(ims, prompts=None):
+            return json.dumps({"images": [npy(x) for x in ims], "prompts": prompts or ["p"] * len(ims)}).encode()
+        bad = {
+            "not JSON": b'{"images": [',
+            "not an object": b"[1, 2]",
+            "no images": batch([]),
+            "float64": batch([good.astype(np.float64)]),
+            "NaN": batch([np.full((8, 8, 3), np.nan, np.float32)]),
+            "uint16": batch([good.astype(np.uint16)]),
+            "complex": batch([good.astype(np.complex64)]),
+            "2-D": batch([good[..., 0]]),
+            "4 channels": batch([np.zeros((8, 8, 4), np.uint8)]),
+            "two sizes": batch([good, np.zeros((4, 4, 3), np.uint8)]),
+            "a pickle": batch([np.array([{"x": 1}], dtype=object)]),
+            "fewer prompts": batch([good, good], ["p"]),
+            "a prompt not a string": batch([good], [5]),
+            "not base64": json.dumps({"images": ["%%%"], "prompts": ["p"]}).encode(),
+        }
+        for what, body in bad.items():
+            status, answer = post(url, body)
+            assert status == 400 and answer["error"], what
+        assert post(url, b"{}", length=2**21) == (413, {"error": f"{2**21} bytes is more than --max-request-mb 1"})
+        stalled = socket.create_connection(("127.0.0.1", int(url.split(":")[2].split("/")[0])))
+        stalled.sendall(b"POST /jpeg HTTP/1.0\r\nContent-Length: 100\r\n\r\nab")   # then nothing
+        stalled.settimeout(10)
+        tic = time.time()
+        assert stalled.recv(100) == b"" and time.time() - tic < 5                  # dropped after --timeout 1
+        stalled.close()
+        body = batch([np.zeros((256, 256, 3), np.uint8)] * 8)
+        for _ in range(50):                             # clients that leave before the answer, until one is caught
+            leaving = socket.create_connection(("127.0.0.1", int(url.split(":")[2].split("/")[0])))
+            leaving.sendall(b"POST /jpeg HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            leaving.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            leaving.close()                             # a reset, at once
+            time.sleep(0.05)
+            if "dropped" in (tmp_path / "server.log").read_text():
+                break
+        status, answer = post(url, batch([good, good]))
+        assert status == 200 and len(answer["scores"]) == 2                        # and still serving
+    finally:
+        proc.kill()
+        proc.wait()
+    out = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in out and "dropped a request from 127.0.0.1: " in out, out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "70000"], "--port 70000 must be between 0 and 65535"),
+    (["--port", "-1"], "--port -1 must be between 0 and 65535"),
+    (["--host", "no-such-host.invalid"], "cannot serve at no-such-host.invalid:8000 (Name or service not known)"),
+    (["--port", "BUSY"], "(Address already in use): pass another --port or --host"),
+])
+def test_the_server_refuses_an_address_it_cannot_serve_in_one_line(flags, message, capsys, monkeypatch):
+    monkeypatch.setitem(common.REWARDS, "jpeg", lambda device: pytest.fail("the scorer loaded"))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
+        with pytest.raises(SystemExit) as stop:
+            common.serve_reward(["--reward", "jpeg", *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("common.py serve-reward: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_prompt_metadata_reaches_the_remote_scorer_from_a_training_run(tmp_path):
@@ -147,9 +319,55 @@ class socket_port:
         self.sock.close()
 
 
+DRIP = object()  # raw_server's reply: a status line and a header sent one byte every 0.2 s, for ever
+
+
+class raw_server:
+    """A TCP server in a thread that reads each HTTP request whole and answers the n-th with replies[n] (the last one
+    again after the list ends): raw bytes, sent as they are before the connection closes, or DRIP. Counts the
+    requests (`requests`); its URL is `url`."""
+
+    def __init__(self, replies: list):
+        self.replies, self.requests, self.stop = replies, 0, threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/judge"
+
+    def __enter__(self):
+        threading.Thread(target=self.serve, daemon=True).start()
+        return self
+
+    def serve(self):
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                reply = self.replies[min(self.requests, len(self.replies) - 1)]
+                self.requests += 1
+                threading.Thread(target=self.answer, args=(conn, reply), daemon=True).start()
+
+    def answer(self, conn, reply):
+        with conn, contextlib.suppress(OSError):
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            size = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))
+            while len(body) < size:
+                body += conn.recv(65536)
+            if reply is not DRIP:
+                return conn.sendall(reply)
+            conn.sendall(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+            while not self.stop.wait(0.2):
+                conn.sendall(b"a")
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.sock.close()
+
+
 class fake_server:
     """An HTTP server in a thread that keeps every request's JSON body (`bodies`) and answers each POST with
-    `reply`: JSON unless it is a string, or reply(body) when it is a function."""
+    `reply`: JSON unless it is a string, or reply(body) when it is a function, which may also return (HTTP status,
+    answer)."""
 
     def __init__(self, reply):
         self.bodies = bodies = []
@@ -157,12 +375,13 @@ class fake_server:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                answer = reply
+                answer, status = reply, 200
                 if callable(reply):
                     bodies.append(json.loads(raw))
                     answer = reply(bodies[-1])
+                    status, answer = answer if isinstance(answer, tuple) else (200, answer)
                 data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -210,3 +429,5 @@ def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
     failures = text[text.index("Failures:"):]                       # torchrun's summary: both ranks exited with 1
     assert "[1]:" in failures and "[0]:" in failures and "exitcode: 1" in text
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0]  # iteration 0 logged; 1 stopped both
+    assert text.count(f"checkpoint iter_000001 saved: continue with --resume {tmp_path / 'r'}") == 1  # rank 0
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000001"
