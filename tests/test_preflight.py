@@ -39,7 +39,8 @@ def test_the_toy_passes_then_the_real_run_starts_in_the_same_folder(tmp_path):
     for check in ("weights identical on all ranks", "toy: right vs shifted prompts", "first update max abs(ratio - 1)",
                   "first update KL", "gradients finite", "tensors with a gradient", "parameters moved"):
         assert r[check]["status"] == "PASS", r[check]
-    assert sorted(os.listdir(out)) == ["preflight.json"]          # no args.json, metrics or checkpoint
+    assert sorted(os.listdir(out)) == [".lock", "preflight.json"]  # no args.json, metrics or checkpoint (.lock: the
+    # folder lock, which names the last holder)
     m, p = report["measured"], report["projection"]
     assert m["overhead"] >= 0.99                                  # model calls are a part of the iteration
     # by hand: --iterations 3 from 0, evaluations at 0, 2 and 3, checkpoints after 1, 2 and at the end
