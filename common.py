@@ -224,10 +224,11 @@ class TrainingStopped(RuntimeError):
 
 
 def check_flag(name: str, value, at_least: float | None = None, at_most: float | None = None):
-    """Raises a UsageError naming --name unless `value` is a finite number within the bounds; None (unset) passes."""
+    """Raises a UsageError naming --name unless `value` is a number finite in float32 (where the models compute)
+    and within the bounds; None (unset) passes."""
     if value is None:
         return
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and abs(value) <= torch.finfo(torch.float32).max
     if not (ok and (at_least is None or value >= at_least) and (at_most is None or value <= at_most)):
         bounds = [f"{word} {b}" for word, b in (("at least", at_least), ("at most", at_most)) if b is not None]
         raise UsageError(f"--{name.replace('_', '-')} {value} must be {' and '.join(bounds) or 'a finite number'}")
@@ -1720,9 +1721,9 @@ def checkpoint_info(checkpoint: Path) -> dict:
             return info
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         pass
-    raise UsageError(f"{checkpoint} has no readable checkpoint.json naming one of the models {', '.join(MODELS)}: "
-                     f"it is not a checkpoint of these trainers or it is corrupt; pass another checkpoints/iter_* "
-                     f"folder")
+    raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or it "
+                     f"is corrupt (it must name one of the models {', '.join(MODELS)} and an iteration); pass another "
+                     f"checkpoints/iter_* folder")
 
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:

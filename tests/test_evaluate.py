@@ -118,7 +118,7 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
         (["--checkpoint", str(toy_run), "--seed", "-1"], "--seed -1 must be at least 0"),
         (["--checkpoint", damaged(toy_run, tmp_path, "corrupt", "checkpoint.json")], "no readable checkpoint.json"),
         (["--checkpoint", damaged(toy_run, tmp_path, "unknown", "checkpoint.json", b'{"model": "sdxl", '
-                                  b'"iteration": 2}')], "naming one of the models toy, flux, sd3"),
+                                  b'"iteration": 2}')], "must name one of the models toy, flux, sd3"),
     ]:
         with pytest.raises(SystemExit) as e:
             common.evaluate_main(argv)

@@ -44,6 +44,9 @@ STARTUP = [
     ("all", ["--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
     ("all", ["--lr", "1e38"], "--lr 1e+38 must be at least 1e-12 and at most 1"),
     ("all", ["--lr", "inf"], "--lr inf must be at least 1e-12 and at most 1"),
+    ("all", ["--guidance-scale", "1e39"], "--guidance-scale 1e+39 must be at least 0"),  # finite, not in float32
+    ("all", ["--iterations", str(10**20)], f"--iterations {10**20} must be at least 0 and at most 1000000000"),
+    ("all", ["--model", "sd3", "--resolution", "8192"], "--resolution 8192 must be at least 16 and at most 4096"),
     ("all", ["--weight-decay=-inf"], "--weight-decay -inf must be at least 0"),
     ("all", ["--time-budget", "nan"], "--time-budget nan must be at least 0"),
     ("all", ["--wandb"], "--wandb needs the wandb package: pip install wandb, or drop --wandb"),
@@ -51,8 +54,9 @@ STARTUP = [
     ("all", ["--output-dir", ""], "--output-dir '' is empty"),
     ("all", ["--resume", ""], "--resume '' is empty"),
     ("all", ["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 has no readable checkpoint.json"),
-    ("all", ["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json naming one of "
-                                                        "the models toy, flux, sd3"),
+    ("all", ["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
+                                                        "checkpoint of these trainers or it is corrupt (it must name "
+                                                        "one of the models toy, flux, sd3"),
     ("all", ["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
     ("all", ["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
     ("pro_grpo", ["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
