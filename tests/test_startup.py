@@ -1,7 +1,8 @@
 """A bad start-up is one line on stderr and exit status 2, never a traceback, and nothing loads or is written
 first where the flags alone tell: one table of (trainer or "all", flags, the words the line must contain), run for
 every trainer (a forked trainer inherits it). {tmp} in a flag is the test's folder, {tiny-flux} / {tiny-sd3} the
-tiny pipelines. Then the cases that are not start-ups: a full disk while logging, and prompt files that are read."""
+tiny pipelines. Then what is not a start-up: a full disk while logging or writing a grid, prompt files that must be
+read, an optimizer step that overflows the weights."""
 import importlib
 import json
 import os
