@@ -229,11 +229,21 @@ class TrainingStopped(RuntimeError):
         self.exit_code, self.save_state = exit_code, save_state
 
 
+def check_flag(name: str, value, at_least: float | None = None, at_most: float | None = None):
+    """Raises a UsageError naming --name unless `value` is a number finite in float32 (where the models compute)
+    and within the bounds; None (unset) passes."""
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and abs(value) <= torch.finfo(torch.float32).max
+    if not (ok and (at_least is None or value >= at_least) and (at_most is None or value <= at_most)):
+        bounds = [f"{word} {b}" for word, b in (("at least", at_least), ("at most", at_most)) if b is not None]
+        raise UsageError(f"--{name.replace('_', '-')} {value} must be {' and '.join(bounds) or 'a finite number'}")
+
+
 def at_least(minimum: float, **flags):
-    """Raises a UsageError naming the first flag whose value is not a finite number >= minimum."""
+    """check_flag with a lower bound, for each flag."""
     for name, value in flags.items():
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= minimum):
-            raise UsageError(f"--{name.replace('_', '-')} {value} must be at least {minimum}")
+        check_flag(name, value, at_least=minimum)
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
@@ -304,20 +314,29 @@ def signalled(device) -> int:
 
 
 def field(default, help: str, **kwargs):
-    """A dataclass field with a help string, shown by `--help`."""
+    """A dataclass field with a help string, shown by `--help`; `at_least` / `at_most` bound a number (cli checks)."""
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse reporting a bad command line in one line ("prog: error: ...", exit status 2), without the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
     """Parses the command line into `args_cls`, a dataclass whose fields carry the toy defaults and help
     strings. `--model` is read first, so that `--help` and every field left unset take that model's entry of
-    `model_defaults` (the trainer's table for flux / sd3; the toy has none)."""
+    `model_defaults` (the trainer's table for flux / sd3; the toy has none). Every number is then checked against
+    its field's bounds (check_flag: NaN and inf never pass), and an empty value of a flag that defaults to unset
+    is refused."""
     doc = " ".join((sys.modules["__main__"].__doc__ or "").split("\n\n")[0].split())
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(add_help=False)
     pre.add_argument("--model", default=fields["model"].default)
     model = pre.parse_known_args(argv)[0].model
-    parser = argparse.ArgumentParser(description=f"{doc} Defaults shown are those of --model {model}.")
+    parser = Parser(description=f"{doc} Defaults shown are those of --model {model}.")
     defaults = {k: v for k, v in (model_defaults or {}).get(model, {}).items() if k in fields}
     for f in fields.values():
         default = defaults.get(f.name, f.default)
@@ -326,7 +345,14 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
         kind = {"action": argparse.BooleanOptionalAction} if typ == "bool" else \
             {"type": {"int": int, "float": float}.get(typ, str), "choices": f.metadata.get("choices")}
         parser.add_argument("--" + f.name.replace("_", "-"), default=default, help=help_, **kind)
-    return args_cls(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    for f in fields.values():
+        value = values[f.name]
+        if value == "" and f.default is None:
+            raise UsageError(f"--{f.name.replace('_', '-')} '' is empty: pass a value or leave the flag out")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_flag(f.name, value, f.metadata.get("at_least"), f.metadata.get("at_most"))
+    return args_cls(**values)
 
 
 # Collectives: each is the identity (or a no-op) on one process.
@@ -394,18 +420,17 @@ def out_of_time(t0: float, budget: float, device) -> bool:
 
 # The plumbing every trainer shares: its flags checked, the micro-batch split, and the loop around the method.
 def setup_training(args) -> Runtime:
-    """Checks the flags every trainer has (a UsageError naming the first bad one), then setup_runtime, then the
-    flags that depend on the number of ranks; all before a model loads."""
-    at_least(0, iterations=args.iterations, eval_every=args.eval_every, save_every=args.save_every,
-             time_budget=args.time_budget, lora_rank=args.lora_rank, weight_decay=args.weight_decay)
-    at_least(1, eval_images=args.eval_images, eval_steps=args.eval_steps, threads=args.threads,
-             prompts_per_step=args.prompts_per_step, micro_batch=args.micro_batch, sample_steps=args.sample_steps,
-             max_bad_steps=args.max_bad_steps)
-    at_least(2, group_size=args.group_size)                  # a group-relative advantage needs two samples
-    at_least(1e-12, lr=args.lr, grad_clip=args.grad_clip)
+    """Checks what the flags' own bounds (cli) do not: the model, its weights and the reward (check_model), --wandb,
+    then setup_runtime, then the flags that depend on the number of ranks; all before a model loads (a UsageError
+    naming the first bad flag)."""
     if args.lora_rank:
         at_least(1e-12, lora_alpha=args.lora_alpha)
-    random_depth(args.model_path)
+    check_model(args.model, args.model_path, args.reward)
+    if args.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb") from None
     rt = setup_runtime(args.seed, args.threads, args.dtype)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
@@ -419,7 +444,6 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
                              samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
     """The micro-batches of one optimizer step: n samples per rank in micro-batches of `micro_batch`, trained
     in `updates` steps. A UsageError names the flag to change unless both split evenly."""
-    at_least(1, updates_per_rollout=updates)
     if n % micro_batch:
         raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
     if (n // micro_batch) % updates:
@@ -583,14 +607,13 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
                guidance_scale: float | None = None, max_sequence_length: int | None = None,
                offload_encoders: bool = False):
     """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
-    random / random:N for the published architecture with random weights (Appendix B)."""
+    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
+    the adapter's defaults."""
+    check_model(name, path)
     if name == "toy":
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
-        if not (root / "transformer").is_dir():
-            raise FileNotFoundError(f"toy weights not found in {root}: run "
-                                    f"`python common.py pretrain-toy --out {root}`")
         return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                      CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
@@ -600,9 +623,39 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
     else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
         pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
             "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
-    kwargs = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
-    return instrument(adapter_cls(pipe, rt.device, rt.dtype, resolution, guidance_scale,
-                                  offload_encoders=offload_encoders, **kwargs))
+    settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
+    return instrument(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
+                                  **{k: v for k, v in settings.items() if v is not None}))
+
+
+def check_model(name: str, path: str | None, reward: str | None = None):
+    """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
+    that is not a pipeline, a hub repository not in the cache while offline, a malformed random:N) and a --reward
+    that does not fit the model (the toy world's rewards read only its 16x16 shapes)."""
+    if reward is not None and name != "toy" and {n for n, _ in parse_reward_spec(reward)} & {"toy", "toy-soft"}:
+        raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
+                         f"another --reward")
+    if (path or "").startswith("random"):
+        random_depth(path)
+        return
+    if name == "toy":
+        root = Path(path) if path else ASSETS / "toy"
+        if not (root / "transformer").is_dir():
+            raise UsageError(f"no toy weights in {root} (transformer/): run `python common.py pretrain-toy --out "
+                             f"{root}` or fix --model-path")
+        return
+    repo = path or HUB_IDS[name]
+    if Path(repo).exists():
+        if not (Path(repo) / "model_index.json").is_file():
+            raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
+                             f"folder saved with save_pretrained, a hub id, or random")
+        return
+    if repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
+        raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
+        raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
+                         f"with `huggingface-cli download {repo}`, or set HF_HUB_OFFLINE=0")
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -761,11 +814,11 @@ class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
 
     lora_targets = FLUX_LORA_TARGETS
 
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 512,
-                 offload_encoders: bool = False):
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
+                 max_sequence_length: int = 512, offload_encoders: bool = False):
         f = pipe.vae_scale_factor
-        if resolution % (2 * f):
-            raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for FLUX")
+        if resolution % (2 * f) or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
         self.h = 2 * (resolution // (2 * f))  # latent side before packing
         self.channels = self.transformer.config.in_channels // 4
@@ -800,11 +853,11 @@ class SD3Adapter(PipelineAdapter):
 
     lora_targets = SD3_LORA_TARGETS
 
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int = 128,
-                 offload_encoders: bool = False):
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
+                 max_sequence_length: int = 128, offload_encoders: bool = False):
         f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if resolution % f:
-            raise ValueError(f"--resolution {resolution} must be a multiple of {f} for SD3")
+        if resolution % f or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
         self.h = resolution // pipe.vae_scale_factor
         self.channels = self.transformer.config.in_channels
@@ -922,15 +975,16 @@ class EMA:
 
 def finite(tensors: list[torch.Tensor], device) -> bool:
     """True if every tensor on every rank holds only finite numbers (of an FSDP2 DTensor: this rank's shard)."""
-    ok = all(bool(torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all())
-             for x in tensors)
+    flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
+    ok = bool(torch.stack(flags).all()) if flags else True  # one device sync for all the tensors
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
 class StepGuard:
     """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN or inf on any
     rank (where a non-finite reward, advantage or loss shows). Counts the skips (`skipped`) and stops the run
-    after `max_bad` in a row, before anything non-finite is saved. With `loss_scaling` (fp16 compute) a GradScaler
+    after `max_bad` in a row, before anything non-finite is saved; a step that leaves a weight non-finite in its
+    own dtype (a learning rate far too large) stops it at once. With `loss_scaling` (fp16 compute) a GradScaler
     scales the losses so small gradients survive fp16; a skip for an overflow while every loss was finite is the
     scaler's own back-off (it halves the scale) and does not count towards `max_bad`."""
 
@@ -959,6 +1013,10 @@ class StepGuard:
         stepped, losses_finite = map(bool, flags)
         if stepped:
             optimizer.step()
+            if not finite(params, self.device):
+                raise TrainingStopped("an optimizer step made the weights non-finite (the update overflowed their "
+                                      "dtype); nothing was saved after the last checkpoint. Resume from it with a "
+                                      "smaller --lr")
         if self.scaler is not None:
             self.scaler.update()
             self.losses_finite = True
@@ -1590,10 +1648,11 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # 5. Prompts
 # =============================================================================================
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line) or a
-    .jsonl file (one object a line: "prompt", optional "split": "train"/"eval"; without splits every 10th record
-    is held out). Without a path: the toy's held-out pairs (train and eval) for the toy model, else
-    assets/prompts.txt. A bad file raises a UsageError naming the file and line."""
+    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line; a
+    byte-order mark is skipped) or a .jsonl file, in any case (one object a line: "prompt", optional "split":
+    "train"/"eval"; without splits every 10th record is held out). Without a path: the toy's held-out pairs
+    (train and eval) for the toy model, else assets/prompts.txt. A bad file raises a UsageError naming the file
+    and line."""
     if path is None:
         if model == "toy":
             recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
@@ -1604,7 +1663,7 @@ def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
                          f".jsonl (objects with a 'prompt' key) file")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
@@ -1613,10 +1672,10 @@ def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
         if not ln.strip():
             continue
         rec = {"prompt": ln.strip()}
-        if p.suffix == ".jsonl":
+        if p.suffix.lower() == ".jsonl":
             try:
                 rec = json.loads(ln)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 rec = None
             if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
                 raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
@@ -1680,19 +1739,38 @@ class Logger:
 
 
 def append_line(path: Path, record: dict):
-    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline."""
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END):
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        f.write(json.dumps(record, allow_nan=False).encode() + b"\n")
+    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline. A
+    write that fails (a full disk) is undone, so the file never ends in half a line, and stops the run."""
+    line = json.dumps(record, allow_nan=False).encode() + b"\n"
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            line = b"\n" + line
+        try:
+            while line:
+                line = line[os.write(fd, line):]
+        except OSError as e:
+            os.ftruncate(fd, end)
+            raise write_failed(path, e) from None
+    finally:
+        os.close(fd)
 
 
-def write_atomic(path: Path, text: str):
+def write_atomic(path: Path, data: str | bytes):
+    """Writes `path` complete or not at all (a temporary file renamed into place); a failure stops the run."""
     tmp = Path(f"{path}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, e) from None
+
+
+def write_failed(path: Path, e: OSError) -> TrainingStopped:
+    return TrainingStopped(f"could not write {path} ({e.strerror or e}): free disk space, then --resume the run from "
+                           f"its last checkpoint (evaluate: run it again)")
 
 
 def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
@@ -1722,7 +1800,9 @@ def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: li
         for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
             resample = Image.NEAREST if th >= h else Image.BICUBIC
             canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
-    canvas.save(path)
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG")
+    write_atomic(path, buf.getvalue())
 
 
 @dataclasses.dataclass
@@ -1862,12 +1942,17 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json; a folder without a readable one is refused."""
+    """A checkpoint's checkpoint.json; a folder without a readable one, naming one of MODELS and an iteration, is
+    refused."""
     try:
-        return json.loads((checkpoint / "checkpoint.json").read_text())
-    except (OSError, ValueError):
-        raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or "
-                         f"it is corrupt; pass another checkpoints/iter_* folder") from None
+        info = json.loads((checkpoint / "checkpoint.json").read_text())
+        if info["model"] in MODELS and isinstance(info["iteration"], int):
+            return info
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        pass
+    raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or it "
+                     f"is corrupt (it must name one of the models {', '.join(MODELS)} and an iteration); pass another "
+                     f"checkpoints/iter_* folder")
 
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
@@ -2104,7 +2189,7 @@ def evaluate_main(argv=None) -> dict:
     """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts as the
     trainers evaluate, prints each reward's mean +- standard error, and writes results.json and grid.png (two
     models side by side). Works under torchrun."""
-    ap = argparse.ArgumentParser(prog="common.py evaluate", description=evaluate_main.__doc__)
+    ap = Parser(prog="common.py evaluate", description=evaluate_main.__doc__)
     ap.add_argument("--checkpoint", action="append", default=[],
                     help="a run folder (its latest checkpoint), a checkpoints/iter_* folder, or base (untrained); "
                          "twice to compare two (default: base)")
@@ -2129,6 +2214,9 @@ def evaluate_main(argv=None) -> dict:
     except UsageError as e:
         print0(f"common.py evaluate: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as e:
+        print0(f"common.py evaluate: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     finally:
         cleanup_runtime()
 
@@ -2145,6 +2233,10 @@ def _evaluate_main(a) -> dict:
         args_file = checkpoint.parent.parent / "args.json"
         entries.append((spec, checkpoint, checkpoint_info(checkpoint),
                         json.loads(args_file.read_text()) if args_file.is_file() else {}))
+    folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
+    if len(folders) == 2 and folders[0] == folders[1]:
+        raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
+                         f"two different ones")
     run = next((config for _, ckpt, _, config in entries if ckpt is not None), {})
     models = {info["model"] for _, ckpt, info, _ in entries if ckpt is not None} | ({a.model} if a.model else set())
     if len(models) > 1:
@@ -2160,13 +2252,23 @@ def _evaluate_main(a) -> dict:
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
     seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
-    at_least(1, images=images, steps=steps, batch_size=a.batch_size)
-    parse_reward_spec(reward_spec)
+    at_least(1, images=images, steps=steps, batch_size=a.batch_size, resolution=a.resolution,
+             max_sequence_length=a.max_sequence_length, threads=a.threads)
+    at_least(0, guidance_scale=a.guidance_scale, seed=a.seed)
+    check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
     out_dir = Path(a.output or Path("evals") / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
-    if out_dir.exists() and any(out_dir.iterdir()):  # every rank checks, before any collective
-        raise UsageError(f"--output {out_dir} is not empty: pass a new folder (nothing is overwritten)")
+    try:  # every rank checks, before any collective and any model loads
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
+                             f"folder (nothing is overwritten)")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to --output {out_dir} ({e.strerror or e}): pass a writable folder") from None
     rt = setup_runtime(seed, a.threads, dtype)
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []
@@ -2183,7 +2285,6 @@ def _evaluate_main(a) -> dict:
         rows.append(grid)
         del adapter
     if rt.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
         names = ["reward"] + [short_reward_name(n) for n in reward_fn.weights]
         print(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
               f"reward {reward_spec}")
@@ -2192,7 +2293,9 @@ def _evaluate_main(a) -> dict:
                 print(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
             if "eval_accuracy" in m:
                 print(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
-        summary = {"model": model, "reward": reward_spec, "prompts": pick("prompts", "prompts"),
+        summary = {"model": model, "checkpoints": {label: str(ckpt.resolve()) if ckpt else None
+                                                   for label, ckpt, _, _ in entries},
+                   "reward": reward_spec, "prompts": pick("prompts", "prompts"),
                    "all_prompts": a.all_prompts, "prompt_count": len(records), "images": images, "steps": steps,
                    "seed": seed, "results": results}
         write_atomic(out_dir / "results.json", json.dumps(summary, indent=2))
@@ -2204,20 +2307,25 @@ def _evaluate_main(a) -> dict:
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
     """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the
-    trainers evaluate) into adapter.transformer."""
-    if info.get("lora_rank"):
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-        add_lora(adapter.transformer, info["lora_rank"], info["lora_alpha"], adapter.lora_targets)
-        state = {k.removeprefix("transformer."): v for k, v in
-                 load_file(checkpoint / "pytorch_lora_weights.safetensors").items()}
-        result = set_peft_model_state_dict(adapter.transformer, state)
-        if result.unexpected_keys:
-            raise UsageError(f"checkpoint {checkpoint}'s LoRA does not fit this model (e.g. "
-                             f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
-    else:
-        trained = type(adapter.transformer).from_pretrained(checkpoint / "transformer")
-        adapter.transformer.load_state_dict(trained.state_dict())
+    trainers evaluate) into adapter.transformer. An unreadable weights file is refused, naming it."""
+    from safetensors.torch import load_file
+    lora = bool(info.get("lora_rank"))
+    path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
+    try:
+        weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
+    except Exception as e:  # noqa: BLE001 - safetensors, diffusers and torch raise many kinds for a damaged file
+        raise UsageError(f"checkpoint {checkpoint}: {path.name} is unreadable ({type(e).__name__}: {e}); it is "
+                         f"corrupt or incomplete: pass another checkpoint") from None
+    if not lora:
+        adapter.transformer.load_state_dict(weights)
+        return
+    from peft import set_peft_model_state_dict
+    add_lora(adapter.transformer, info["lora_rank"], info["lora_alpha"], adapter.lora_targets)
+    result = set_peft_model_state_dict(adapter.transformer, {k.removeprefix("transformer."): v
+                                                            for k, v in weights.items()})
+    if result.unexpected_keys:
+        raise UsageError(f"checkpoint {checkpoint}'s LoRA does not fit this model (e.g. "
+                         f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
 
 
 # =============================================================================================

@@ -67,31 +67,35 @@ class Args:
                                "scorer served by common.py serve-reward: remote:http://HOST:PORT/NAME[:weight]")
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
-    seed: int = field(0, "random seed (each rank adds its rank)")
+    seed: int = field(0, "random seed (each rank adds its rank)", at_least=0, at_most=2**63 - 1)
     time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
-                                    "0 = no limit")
+                                    "0 = no limit", at_least=0)
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run or checkpoint folder to continue from; auto: the newest checkpoint in "
                                      "--output-dir, or a fresh start there")
-    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int = field(20, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never", at_least=0)
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)",
+                             at_least=1, at_most=100_000)
+    eval_steps: int = field(20, "ODE steps at evaluation", at_least=1, at_most=1000)
     save_every: int = field(50, "checkpoint every N iterations (and at the end and on SIGTERM / SIGINT); 0 = only "
-                                "then")
+                                "then", at_least=0)
     max_bad_steps: int = field(3, "stop after this many optimizer steps in a row with a NaN / inf gradient norm "
-                                  "(each is skipped)")
+                                  "(each is skipped)", at_least=1)
     wandb: bool = field(False, "also log to Weights & Biases")
-    threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
-    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    threads: int = field(2, "CPU threads (CPU runs only)", at_least=1, at_most=1024)
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)",
+                                   at_least=16, at_most=4096)
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none",
+                                         at_least=0)
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut",
+                                            at_least=1, at_most=512)
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
                                "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
-    weight_decay: float = field(1e-4, "AdamW weight decay")
-    grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float = field(0.0, "LoRA alpha")
+    weight_decay: float = field(1e-4, "AdamW weight decay", at_least=0)
+    grad_clip: float = field(1.0, "gradient-norm clip", at_least=1e-12)
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning", at_least=0, at_most=4096)
+    lora_alpha: float = field(0.0, "LoRA alpha", at_least=0)
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
@@ -101,18 +105,19 @@ class Args:
                                    "writes preflight.json in the run folder (README, Before a long run)")
     # <<< shared: args
     # --- Flow-GRPO ---
-    iterations: int = field(30, "training iterations (rollout + update)")
-    prompts_per_step: int = field(16, "prompts per iteration, over all ranks")
-    group_size: int = field(8, "samples per prompt (G)")
-    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike")
-    lr: float = field(3e-4, "AdamW learning rate")
-    sample_steps: int = field(10, "denoising steps T of a training rollout")
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))")
-    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory")
-    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout")
-    clip_range: float = field(1e-4, "PPO ratio clip epsilon")
-    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]")
-    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy")
+    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(16, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(8, "samples per prompt (G)", at_least=2, at_most=100_000)
+    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
+    lr: float = field(3e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
+                                     at_least=0, at_most=1)
+    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
+    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]", at_least=1e-12)
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy", at_least=0)
     global_std: bool = field(True, "advantages divided by the std of all the iteration's rewards (else the group's)")
     reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
                                     "per-reward (each reward's advantage, then their weighted sum)",
@@ -181,8 +186,6 @@ def main(args: Args) -> dict:
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
     mb = args.micro_batch
-    common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
-    common.at_least(0, clip_range=args.clip_range, beta=args.beta)
     per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
     T = args.sample_steps
     T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps

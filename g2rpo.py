@@ -97,31 +97,35 @@ class Args:
                                "scorer served by common.py serve-reward: remote:http://HOST:PORT/NAME[:weight]")
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
                                       "assets/prompts.txt")
-    seed: int = field(0, "random seed (each rank adds its rank)")
+    seed: int = field(0, "random seed (each rank adds its rank)", at_least=0, at_most=2**63 - 1)
     time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
-                                    "0 = no limit")
+                                    "0 = no limit", at_least=0)
     output_dir: str | None = field(None, "run folder (default runs/<method>-<model>-<time>)")
     resume: str | None = field(None, "run or checkpoint folder to continue from; auto: the newest checkpoint in "
                                      "--output-dir, or a fresh start there")
-    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never")
-    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)")
-    eval_steps: int = field(20, "ODE steps at evaluation")
+    eval_every: int = field(10, "evaluate every N iterations (and at 0 and the end); 0 = never", at_least=0)
+    eval_images: int = field(200, "held-out images per evaluation (prompts cycle, fixed seeds)",
+                             at_least=1, at_most=100_000)
+    eval_steps: int = field(20, "ODE steps at evaluation", at_least=1, at_most=1000)
     save_every: int = field(50, "checkpoint every N iterations (and at the end and on SIGTERM / SIGINT); 0 = only "
-                                "then")
+                                "then", at_least=0)
     max_bad_steps: int = field(3, "stop after this many optimizer steps in a row with a NaN / inf gradient norm "
-                                  "(each is skipped)")
+                                  "(each is skipped)", at_least=1)
     wandb: bool = field(False, "also log to Weights & Biases")
-    threads: int = field(2, "CPU threads (CPU runs only)")
-    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)")
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none")
-    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut")
+    threads: int = field(2, "CPU threads (CPU runs only)", at_least=1, at_most=1024)
+    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)",
+                                   at_least=16, at_most=4096)
+    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none",
+                                         at_least=0)
+    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut",
+                                            at_least=1, at_most=512)
     dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
                                "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
-    weight_decay: float = field(1e-4, "AdamW weight decay")
-    grad_clip: float = field(1.0, "gradient-norm clip")
-    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning")
-    lora_alpha: float = field(0.0, "LoRA alpha")
+    weight_decay: float = field(1e-4, "AdamW weight decay", at_least=0)
+    grad_clip: float = field(1.0, "gradient-norm clip", at_least=1e-12)
+    lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning", at_least=0, at_most=4096)
+    lora_alpha: float = field(0.0, "LoRA alpha", at_least=0)
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
@@ -131,24 +135,26 @@ class Args:
                                    "writes preflight.json in the run folder (README, Before a long run)")
     # <<< shared: args
     # --- G2RPO ---
-    iterations: int = field(30, "training iterations (rollout + update)")
-    prompts_per_step: int = field(8, "prompts per iteration, over all ranks")
-    group_size: int = field(8, "branches per prompt and branched step k (G)")
+    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(8, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(8, "branches per prompt and branched step k (G)", at_least=2, at_most=100_000)
     micro_batch: int = field(256, "rows per forward pass: prompts in the anchor and the update, branches in the "
-                                  "continuations")
-    lr: float = field(1e-4, "AdamW learning rate")
-    sample_steps: int = field(8, "denoising steps T of a training rollout")
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))")
+                                  "continuations", at_least=1)
+    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(8, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
     sde_steps: int | None = field(None, "|M|: the highest-noise steps k = 0..|M|-1 that branch and train "
-                                        "(default T/2)")
+                                        "(default T/2)", at_least=1)
     granularities: str = field("1,2,3", "strides Lambda of the ODE continuations: 1,2,3 (paper) or 1,2 (code)")
-    grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)")
-    clip_range: float = field(1e-4, "PPO ratio clip epsilon")
-    adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]")
+    grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)",
+                              at_least=1e-12)
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
+    adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]",
+                            at_least=1e-12)
     reward_norm: str = field("per-reward", "with several rewards: per-reward (each z-scored, then summed with the "
                                            "weights, as G2RPO) or sum (the weighted sum z-scored)",
                              choices=common.REWARD_NORMS)
-    beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none")
+    beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none", at_least=0)
 
 
 # Full scale: what differs from the toy defaults above, from the paper and its official scripts (FLUX: full
@@ -267,8 +273,6 @@ def main(args: Args) -> dict:
     # <<< shared: validate
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     mb = args.micro_batch
-    common.at_least(1e-12, noise_level=args.noise_level, adv_clip=args.adv_clip)  # noise 0: no log-prob to train
-    common.at_least(0, clip_range=args.clip_range, beta=args.beta)
     T = args.sample_steps
     n_sde = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..n_sde-1 branch and train
     if not 1 <= n_sde <= T:

@@ -3,13 +3,14 @@ and weights: the EMA weights when the run kept an EMA), the base model as the it
 torchrun as in one process; and it writes a labelled grid with the two models side by side."""
 import json
 import math
+import shutil
 
 import pytest
 from PIL import Image
 
 import common
 import flow_grpo
-from helpers import SMALL, read_metrics, run, small, tiny_argv, torchrun
+from helpers import SMALL, read_metrics, run, small, tiny_argv, tiny_pipeline, torchrun
 
 # the toy reward is a multiple of 1/(2n): a continuous second reward tells base and trained weights apart
 TOY = ["--reward", "toy,jpeg:0.01", "--iterations", "2", "--lr", "3e-3", *small(without=("eval_images", "eval_every")),
@@ -40,6 +41,8 @@ def test_base_and_checkpoint_equal_the_trainers_own_evaluations(toy_run, tmp_pat
     assert results["base"]["eval_jpeg"] != results[str(toy_run)]["eval_jpeg"]
     saved = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert saved["results"] == results and saved["steps"] == 4 and saved["images"] == 12 and saved["seed"] == 0
+    latest = toy_run / "checkpoints" / "iter_000002"
+    assert saved["checkpoints"] == {"base": None, str(toy_run): str(latest.resolve())}
     # one row per held-out prompt (10 toy pairs), each with both models' images of that prompt side by side
     grid = Image.open(tmp_path / "eval" / "grid.png")
     assert grid.height >= 10 * 128 and grid.width >= 200 + 2 * 2 * 128
@@ -82,17 +85,94 @@ def test_evaluate_under_torchrun_equals_one_process(toy_run, tmp_path):
     assert two[str(toy_run)] == pytest.approx(one[str(toy_run)], abs=1e-9)
 
 
-def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys):
+def damaged(run_dir, tmp_path, name: str, file: str, data: bytes | None = None):
+    """A copy of run_dir named `name` whose latest checkpoint's `file` is cut to half (or replaced by `data`)."""
+    copy = tmp_path / name
+    shutil.copytree(run_dir, copy)
+    path = next((copy / "checkpoints").glob("iter_*")) / file
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2] if data is None else data)
+    return str(copy)
+
+
+def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys, monkeypatch):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("kept")
+    (tmp_path / "a_file").write_text("kept")
+    latest = str(toy_run / "checkpoints" / "iter_000002")
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     for argv, message in [
         (["--threads", "1"], "pass --model for the base model"),
         (["--checkpoint", str(tmp_path)], "no checkpoint there"),
         (["--checkpoint", str(toy_run), "--model", "sd3"], "different models"),
         (["--checkpoint", str(toy_run), "--output", str(tmp_path / "full")], "is not empty"),
+        (["--checkpoint", str(toy_run), "--output", str(tmp_path / "a_file")], "--output " + str(tmp_path / "a_file")
+         + " is a file: pass a new folder"),
+        (["--checkpoint", str(toy_run), "--output", "/proc/x"], "cannot write to --output /proc/x"),
         (["--checkpoint", str(toy_run), "--reward", "nope"], "unknown or repeated reward 'nope'"),
+        (["--checkpoint", str(toy_run), "--checkpoint", latest], f"--checkpoint {toy_run} and --checkpoint {latest} "
+                                                                  f"are the same model"),
+        (["--model", "sd3", "--checkpoint", "base", "--checkpoint", "base"], "are the same model"),
+        (["--model", "flux", "--reward", "toy"], "scores the toy world's shapes, not flux images"),
+        (["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
+        (["--checkpoint", str(toy_run), "--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
+        (["--checkpoint", str(toy_run), "--seed", "-1"], "--seed -1 must be at least 0"),
+        (["--checkpoint", damaged(toy_run, tmp_path, "corrupt", "checkpoint.json")], "no readable checkpoint.json"),
+        (["--checkpoint", damaged(toy_run, tmp_path, "unknown", "checkpoint.json", b'{"model": "sdxl", '
+                                  b'"iteration": 2}')], "must name one of the models toy, flux, sd3"),
     ]:
         with pytest.raises(SystemExit) as e:
             common.evaluate_main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err, argv
-    assert (tmp_path / "full" / "x").read_text() == "kept"
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
+    assert (tmp_path / "full" / "x").read_text() == "kept" and (tmp_path / "a_file").read_text() == "kept"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora") / "run"
+    run(flow_grpo, ["--iterations", "0", "--eval-every", "0", "--lora-rank", "4", "--lora-alpha", "8",
+                    "--output-dir", str(out)])
+    return out
+
+
+def test_a_damaged_weights_file_is_one_line(toy_run, lora_run, tmp_path, capsys):
+    for argv, name in [
+        (["--checkpoint", damaged(toy_run, tmp_path, "full", "transformer/diffusion_pytorch_model.safetensors")],
+         "transformer is unreadable"),
+        (["--checkpoint", damaged(lora_run, tmp_path, "lora", "pytorch_lora_weights.safetensors")],
+         "pytorch_lora_weights.safetensors is unreadable"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            common.evaluate_main([*argv, "--images", "2", "--steps", "1", "--threads", "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and name in err and "corrupt or incomplete" in err and "Traceback" not in err, err
+
+
+def test_a_failing_reward_is_one_line(toy_run, tmp_path, capsys, monkeypatch):
+    def fail(self, images, prompts, metadata=None):
+        raise common.TrainingStopped("reward server http://x/y answered HTTP 400: bad batch")
+    monkeypatch.setattr(common.ToyReward, "__call__", fail)
+    with pytest.raises(SystemExit) as e:
+        common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "e"), "--threads", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == ("common.py evaluate: the reward failed reward server http://x/y answered HTTP 400: "
+                                    "bad batch")
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_base_model_without_a_run_takes_the_models_defaults(family, tmp_path, monkeypatch):
+    seen = {}
+    real = common.load_model
+
+    def spy(*args, **kwargs):
+        adapter = seen["adapter"] = real(*args, **kwargs)
+        return adapter
+    monkeypatch.setattr(common, "load_model", spy)
+    results = common.evaluate_main(["--model", family, "--model-path", tiny_pipeline(family), "--reward", "jpeg",
+                                    "--images", "1", "--steps", "1", "--threads", "1", "--output",
+                                    str(tmp_path / "e")])
+    adapter = seen["adapter"]
+    assert math.isfinite(results["base"]["eval_jpeg"])
+    assert (adapter.resolution, adapter.guidance_scale, adapter.max_sequence_length) == \
+        {"flux": (512, 3.5, 512), "sd3": (512, 4.5, 128)}[family]

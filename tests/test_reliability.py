@@ -99,8 +99,10 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_nobody_hangs(tmp_path):
 
 def test_a_learning_rate_that_blows_up_stops_the_run_without_saving(tmp_path):
     r = tmp_path / "r"
+    args = common.cli(flow_grpo.Args, [*TOY, "--iterations", "6", "--output-dir", str(r)])
+    args.lr = 1e10                                                        # the command line refuses --lr above 1
     with pytest.raises(common.TrainingStopped, match="in a row had a NaN or inf gradient norm"):
-        run(flow_grpo, [*TOY, "--iterations", "6", "--lr", "1e10", "--output-dir", str(r)])
+        flow_grpo.main(args)
     assert not (r / "checkpoints").exists()
     assert strict_lines(r)[0]["loss"] is None                             # logged, as null
 
@@ -114,18 +116,17 @@ def test_a_group_of_one_is_refused(trainer, tmp_path):
 
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path, monkeypatch):
-    """A step can be finite and still leave weights that are not (here: every parameter set to inf after the
-    first optimizer step); the checkpoint is refused, not written."""
-    real = torch.optim.AdamW.step
+    """Weights that are not finite when a checkpoint is due (here: every parameter set to inf after the step guard
+    has checked the first optimizer step) are refused, not written."""
+    real = common.StepGuard.step
 
-    def poisoned(self, *a, **k):
-        out = real(self, *a, **k)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.data.fill_(math.inf)
+    def poisoned(self, optimizer, params, grad_clip):
+        out = real(self, optimizer, params, grad_clip)
+        for p in params:
+            p.data.fill_(math.inf)
         return out
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    monkeypatch.setattr(common.StepGuard, "step", poisoned)
     r = tmp_path / "r"
     with pytest.raises(common.TrainingStopped, match="not finite and were not saved"):
         run(flow_grpo, [*tiny(), "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])

@@ -1,0 +1,179 @@
+"""A bad start-up is one line on stderr and exit status 2, never a traceback, and nothing loads or is written
+first where the flags alone tell: one table of (trainer or "all", flags, the words the line must contain), run for
+every trainer (a forked trainer inherits it). {tmp} in a flag is the test's folder, {tiny-flux} / {tiny-sd3} the
+tiny pipelines. Then what is not a start-up: a full disk while logging or writing a grid, prompt files that must be
+read, an optimizer step that overflows the weights."""
+import importlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import common
+from helpers import SMALL, TRAINERS, tiny_argv
+
+FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
+
+
+def small_run(trainer: str) -> list[str]:
+    """The SMALL sizes, with what the trainer's method needs to fit them."""
+    return [*SMALL, *FITS_SMALL.get(trainer, [])]
+
+
+NO_PIPELINE, CHECKPOINTS = "{tmp}/not_a_pipeline", "{tmp}/run0/checkpoints"
+STARTUP = [
+    ("all", ["--seed", "-1"], "--seed -1 must be at least 0"),
+    ("all", ["--seed", "1e23"], "argument --seed: invalid int value: '1e23'"),
+    ("all", ["--seed", str(2**64)], f"--seed {2**64} must be at least 0 and at most {2**63 - 1}"),
+    ("all", ["--model-path", "/nonexistent"], "no toy weights in /nonexistent"),
+    ("all", ["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
+    ("all", ["--model", "flux", "--model-path", NO_PIPELINE], "is not a diffusers pipeline folder"),
+    ("all", ["--model", "sd3", "--model-path", "nobody/no-such-model"],
+     "the model repository nobody/no-such-model is not in the hub cache and HF_HUB_OFFLINE is set: download it "
+     "with `huggingface-cli download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
+    ("all", ["--model", "flux", "--resolution", "0"], "--resolution 0 must be at least 16"),
+    ("all", ["--model", "sd3", "--resolution", "7"], "--resolution 7 must be at least 16"),
+    ("all", ["--model", "flux", "--resolution", "-16"], "--resolution -16 must be at least 16"),
+    ("all", ["{tiny-flux}", "--resolution", "24"], "--resolution 24 must be a positive multiple of 16 for FLUX"),
+    ("all", ["{tiny-sd3}", "--resolution", "40"], "--resolution 40 must be a positive multiple of 16 for SD3"),
+    ("all", ["--max-sequence-length", "-5"], "--max-sequence-length -5 must be at least 1"),
+    ("all", ["--max-sequence-length", "0"], "--max-sequence-length 0 must be at least 1"),
+    ("all", ["--max-sequence-length", "513"], "--max-sequence-length 513 must be at least 1 and at most 512"),
+    ("all", ["--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
+    ("all", ["--lr", "1e38"], "--lr 1e+38 must be at least 1e-12 and at most 1"),
+    ("all", ["--lr", "inf"], "--lr inf must be at least 1e-12 and at most 1"),
+    ("all", ["--guidance-scale", "1e39"], "--guidance-scale 1e+39 must be at least 0"),  # finite, not in float32
+    ("all", ["--iterations", str(10**20)], f"--iterations {10**20} must be at least 0 and at most 1000000000"),
+    ("all", ["--model", "sd3", "--resolution", "8192"], "--resolution 8192 must be at least 16 and at most 4096"),
+    ("all", ["--weight-decay=-inf"], "--weight-decay -inf must be at least 0"),
+    ("all", ["--time-budget", "nan"], "--time-budget nan must be at least 0"),
+    ("all", ["--wandb"], "--wandb needs the wandb package: pip install wandb, or drop --wandb"),
+    ("all", ["--prompts", "{tmp}/deep.jsonl"], "deep.jsonl:1 is not a JSON object"),
+    ("all", ["--output-dir", ""], "--output-dir '' is empty"),
+    ("all", ["--resume", ""], "--resume '' is empty"),
+    ("all", ["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 has no readable checkpoint.json"),
+    ("all", ["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
+                                                        "checkpoint of these trainers or it is corrupt (it must name "
+                                                        "one of the models toy, flux, sd3"),
+    ("all", ["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
+    ("all", ["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
+    ("pro_grpo", ["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
+    ("pro_grpo", ["--baseline-group", "-5"], "--baseline-group -5 must be at least 2"),
+    ("g2rpo", ["--grid-shift", "0"], "--grid-shift 0.0 must be at least 1e-12"),
+    ("g2rpo", ["--grid-shift", "-1"], "--grid-shift -1.0 must be at least 1e-12"),
+    ("g2rpo", ["--grid-shift", "nan"], "--grid-shift nan must be at least 1e-12"),
+    ("flow_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
+    ("flow_grpo", ["--timestep-fraction", "inf"], "--timestep-fraction inf must be at least 0 and at most 1"),
+    ("pro_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
+    ("v_grpo", ["--soft-clip", "nan"], "--soft-clip nan must be at least 0"),
+]
+
+
+def make_files(tmp: Path):
+    """The files the table names: a folder that is not a pipeline, a .jsonl nested 100,000 deep, a run whose
+    checkpoints have a corrupt checkpoint.json and one naming an unknown model."""
+    (tmp / "not_a_pipeline").mkdir()
+    (tmp / "not_a_pipeline" / "config.json").write_text("{}")
+    (tmp / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for name, info in [("iter_000001", '{"model": "toy", "iter'), ("iter_000002", '{"model": "sdxl", "iteration": 2}')]:
+        folder = tmp / "run0" / "checkpoints" / name
+        folder.mkdir(parents=True)
+        (folder / "training_state.pt").write_bytes(b"")
+        (folder / "checkpoint.json").write_text(info)
+
+
+def one_line(capsys, module, argv: list[str], code: int = 2) -> str:
+    """Runs the trainer's command line; asserts the exit status `code` and one line on stderr (besides the progress
+    bars of a pipeline being read), no traceback."""
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.search(r"\| *\d+/\d+ \[", ln)]  # not tqdm's
+    assert stop.value.code == code and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+CASES = [(trainer, flags, words) for trainer in TRAINERS for who, flags, words in STARTUP if who in ("all", trainer)]
+
+
+@pytest.mark.parametrize("trainer,flags,words", CASES, ids=[f"{t} {' '.join(f)}" for t, f, _ in CASES])
+def test_a_bad_startup_is_one_line(trainer, flags, words, tmp_path, capsys, monkeypatch):
+    module = importlib.import_module(trainer)
+    monkeypatch.setitem(os.environ, "HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setitem(sys.modules, "wandb", None)                # `import wandb` fails as if it were not installed
+    make_files(tmp_path)
+    tiny = {f"{{tiny-{f}}}": tiny_argv(trainer, f) for f in ("flux", "sd3") if f"{{tiny-{f}}}" in flags}
+    capsys.readouterr()                                             # what building a tiny pipeline printed
+    argv = [a for f in flags for a in tiny.get(f, [f.replace("{tmp}", str(tmp_path))])]
+    out = tmp_path / "out"
+    err = one_line(capsys, module, [*small_run(trainer), "--output-dir", str(out), *argv])
+    assert "error: " in err and words in err, err
+    assert tiny or not out.exists()                                 # refused before the run folder was made
+
+
+def full_disk_after(monkeypatch, name: str, good_writes: int):
+    """os.write to a file called `name` succeeds `good_writes` times, then writes half its bytes and fails as on a
+    full disk (ENOSPC)."""
+    real, calls = os.write, []
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(name):
+            calls.append(fd)
+            if len(calls) > good_writes:
+                real(fd, data[:len(data) // 2])
+                raise OSError(28, "No space left on device")
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", write)
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_full_disk_while_logging_stops_in_one_line_and_no_line_is_cut(trainer, tmp_path, capsys, monkeypatch):
+    module = importlib.import_module(trainer)
+    full_disk_after(monkeypatch, "metrics.jsonl", good_writes=1)      # iteration 0's line, then the disk is full
+    out = tmp_path / "run"
+    err = one_line(capsys, module, [*small_run(trainer), "--iterations", "2", "--eval-every", "0", "--output-dir",
+                                    str(out)], 1)
+    assert f"could not write {out / 'metrics.jsonl'} (No space left on device): free disk space" in err
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(line)["iteration"] for line in text.splitlines()] == [0]
+
+
+def test_a_full_disk_while_writing_an_evaluation_grid_leaves_no_partial_file(tmp_path, capsys, monkeypatch):
+    module = importlib.import_module(TRAINERS[0])
+    real = Path.write_bytes
+
+    def write_bytes(self, data):
+        if ".png" in self.name:
+            real(self, data[:100])
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    out = tmp_path / "run"
+    err = one_line(capsys, module, [*small_run(TRAINERS[0]), "--iterations", "1", "--output-dir", str(out)], 1)
+    assert f"could not write {out / 'eval_000000.png'} (No space left on device)" in err
+    assert not list(out.glob("*.png*"))                               # neither the grid nor its temporary file
+
+
+@pytest.mark.parametrize("name", ["bom.jsonl", "BOM.JSONL", "bom.txt"])
+def test_a_byte_order_mark_and_an_upper_case_suffix_are_read(name, tmp_path):
+    lines = ['{"prompt": "a red circle"}', '{"prompt": "a blue square", "split": "eval"}']
+    if name.endswith(".txt"):
+        lines = ["a red circle", "a blue square"]
+    (tmp_path / name).write_bytes("\ufeff".encode() + "\n".join(lines).encode())
+    train, evals = common.load_prompts(str(tmp_path / name), "toy")
+    assert {r["prompt"] for r in train + evals} == {"a red circle", "a blue square"}
+
+
+def test_a_step_that_overflows_the_weights_stops_the_run():
+    """A finite gradient and learning rate whose update is not finite in the weights' float32: stopped at once."""
+    import torch
+    p = torch.nn.Parameter(torch.full((4,), 3e38))
+    opt = torch.optim.SGD([p], lr=1e38)
+    guard = common.StepGuard(3, torch.device("cpu"))
+    (-p.sum()).backward()                                             # gradient -1: the step adds lr = 1e38
+    with pytest.raises(common.TrainingStopped, match="made the weights non-finite"):
+        guard.step(opt, [p], grad_clip=10.0)
