@@ -195,7 +195,7 @@ def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], floa
     seconds."""
     argv = ["--output-dir", str(run_dir), "--threads", "1", *argv]
     cmd = [sys.executable, str(ROOT / f"{method}.py"), *argv]
-    log = run_dir.with_suffix(".log")
+    log = run_dir.parent / f"{run_dir.name}.log"                 # (with_suffix would cut at the "." of "lr0.0003")
     tic = time.time()
     if FORK["context"] is not None:
         proc = FORK["context"].Process(target=_run_in_child, args=(method, argv, str(log), str(run_dir.parent)))

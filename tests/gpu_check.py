@@ -121,8 +121,8 @@ def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, out: 
     torch.backends.cuda.enable_flash_sdp(flash)
     module = importlib.import_module(trainer)
     run_dir = out / f"{family}-{trainer}-{'ckpt' if ckpt else 'nockpt'}{'' if flash else '-noflash'}"
-    args = common.cli(module.Args, [*trainer_argv(trainer, family, ckpt, gpu, run_dir), "--preflight"],
-                      module.MODEL_DEFAULTS)
+    args = common.cli(module.Args, [*trainer_argv(trainer, family, ckpt, gpu, run_dir), "--reward", "pickscore",
+                                    "--preflight"], module.MODEL_DEFAULTS)
     gc.collect()                                                  # the last run's models (adapters hold cycles)
     if gpu:
         torch.cuda.empty_cache()
@@ -149,7 +149,7 @@ def worker(family: str, runs: list[list], gpu: bool, out: Path):
     """Runs `runs` ([trainer, ckpt, flash]) in this process, appending each result to out/results.jsonl; exits 3
     once the CUDA context is broken (the parent starts a new worker for the rest)."""
     import common
-    common.REWARDS["pickscore"] = random_pickscore()             # --reward pickscore, the full-scale default
+    common.REWARDS["pickscore"] = random_pickscore()             # every run scores with it: --reward pickscore
     for trainer, ckpt, flash in runs:
         try:
             result = one_run(family, trainer, ckpt, flash, gpu, out)
