@@ -395,9 +395,15 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(2 n,) float64: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
+    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
+    return torch.stack([v for t in local for v in (t.double().sum(), t.double().square().sum())])
+
+
 def rank_param_diff(params: list[torch.Tensor]) -> float:
     """Largest difference across ranks of per-tensor sums and sums of squares (0.0: replicas identical)."""
-    fp = torch.stack([t for p in params for t in (p.detach().double().sum(), p.detach().double().square().sum())])
+    fp = fingerprint(params)
     on_cpu = not dist.is_initialized() or dist.get_backend() == "gloo"
     allfp = all_gather_cat(fp.cpu() if on_cpu else fp).view(-1, len(fp))
     return (allfp.max(0).values - allfp.min(0).values).max().item()
@@ -2344,13 +2350,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(2 n,) float64 on the CPU: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
-    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
-    return torch.tensor([v for t in local for v in (t.double().sum().item(), t.double().square().sum().item())],
-                        dtype=torch.float64)
-
-
 def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
     """A table row; ok None: information only; a failed check WARNs with `warn`, else it FAILs with `advice`."""
     status = "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
@@ -2401,7 +2400,7 @@ class Preflight:
         modules = {**vars(lp.adapter), **getattr(getattr(lp.adapter, "pipe", None), "components", {})}
         weights = list({id(p): p for m in modules.values() if isinstance(m, torch.nn.Module)
                         for p in m.parameters() if not hasattr(p, "to_local")}.values())
-        diff = rank_param_diff([_fingerprint(weights).to(dev)])
+        diff = rank_param_diff(weights)
         self.rows.append(_row("weights identical on all ranks", f"{diff:.3g}", "0", diff == 0,
                               "a rank loaded other weights: give every rank the same --model-path and files"))
         trained = sum(p.numel() * p.element_size() for p in lp.params)   # a DTensor's numel is the whole tensor's
@@ -2414,7 +2413,7 @@ class Preflight:
                               "--output-dir (checkpoints are never deleted)"))
         with lp.ema.swapped_in() if lp.ema else contextlib.nullcontext():
             self.generation(lp, a, rt)
-        self.before = _fingerprint(lp.params)
+        self.before = fingerprint(lp.params)
         self.model_s, self.tic = 0.0, time.perf_counter()
 
     def generation(self, lp, a, rt):
@@ -2498,7 +2497,7 @@ class Preflight:
                                     rt.device, dist.ReduceOp.MAX)
         g = self.grads or {"finite": 0, "nonzero": 0, "starved": ["(no optimizer step)"], "count": len(lp.params),
                            "norm": math.nan}
-        moved = int(all_ranks([(self.before.view(-1, 2) != _fingerprint(lp.params).view(-1, 2)).any(1).sum()],
+        moved = int(all_ranks([(self.before.view(-1, 2) != fingerprint(lp.params).view(-1, 2)).any(1).sum()],
                               rt.device, dist.ReduceOp.MAX)[0])
         self.rows += [
             _row("groups with all rewards equal", f"{zero:.2f}", "< 0.5", zero < 0.5, "every advantage is zero, "
