@@ -147,6 +147,32 @@ def gaussian_kl(mean_p: torch.Tensor, mean_q: torch.Tensor, std) -> torch.Tensor
     return (((mean_p.float() - mean_q.float()) ** 2) / (2 * _bcast(std, mean_p) ** 2)).flatten(1).mean(1)
 
 
+def cps_mean_std(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float):
+    """Mean and std of a Coefficients-Preserving Sampling step from t to s (< t) [CPS, arXiv 2509.05952]:
+        x0_hat = x - t v,   x1_hat = x + (1 - t) v,   std = s sin(a pi / 2),
+        mean = (1 - s) x0_hat + sqrt(s^2 - std^2) x1_hat,
+    so the next state's noise, sqrt(s^2 - std^2) x1_hat + std eps, has the coefficient s that x_s has (where the
+    Flow-GRPO SDE adds more). With a = 0 it is the DDIM step (1 - s) x0_hat + s x1_hat, which is the Euler step;
+    at s = 0 the std is 0. Returns (mean, std), float32, std shaped to broadcast against x."""
+    x, v = x.float(), v.float()
+    tb, sb = _bcast(t, x), _bcast(s, x)
+    std = sb * math.sin(noise_level * math.pi / 2)
+    mean = (1 - sb) * (x - tb * v) + torch.sqrt(sb**2 - std**2) * (x + (1 - tb) * v)
+    return mean, std
+
+
+def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x: torch.Tensor | None = None,
+             generator: torch.Generator | None = None):
+    """One CPS step from t to s, as sde_step: the stored `next_x` scored, or a sample drawn with `generator`. Its
+    log-prob is the official code's, -mean (x' - mean)^2 over elements: the Gaussian's without its constants and
+    without the 1 / (2 std^2), so a log-ratio is 2 std^2 times the Gaussian's, and a clip range means there what it
+    means in the official CPS configs (1e-5). Returns (next_x, log_prob (B,), mean, std), all float32."""
+    mean, std = cps_mean_std(x, v, t, s, noise_level)
+    if next_x is None:
+        next_x = mean + std * torch.randn(mean.shape, generator=generator, dtype=torch.float32).to(mean.device)
+    return next_x.float(), -((next_x.float() - mean) ** 2).flatten(1).mean(1), mean, std
+
+
 # =============================================================================================
 # 2. Runtime and CLI
 # =============================================================================================
@@ -456,6 +482,42 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
         raise UsageError(f"--updates-per-rollout {updates} must divide the {n // micro_batch} micro-batches per "
                          f"rank; change it or --micro-batch")
     return n // micro_batch // updates
+
+
+class UpdateStats:
+    """An update's statistics: `add` takes each backward's numbers as 0-d tensors and leaves them on the device;
+    `stepped` fetches them once per optimizer step (one host sync, where a GPU would stall on each .item()).
+    `metrics` gives each key's mean over the backward passes, grad_norm's over the optimizer steps, and
+      ratio_dev_max                              the largest |rho - 1| of the update;
+      ratio_dev_first_update, kl_first_update    the same and the largest KL in the first optimizer step, which is
+                                                 exactly on-policy: both 0 (at a fresh start for the KL);
+      ratio_dev_second_update, approx_kl_second_update   the second optimizer step's largest |rho - 1| and mean
+                                                 approx_kl: its micro-batches scored after one step, the step's size."""
+
+    def __init__(self):
+        self.steps, self.pending, self.grad_norms = [], [], []
+
+    def add(self, **values: torch.Tensor):
+        self.pending.append(values)
+
+    def stepped(self, grad_norm: float):
+        names = list(self.pending[0])
+        rows = torch.stack([torch.stack([v.detach().float() for v in d.values()]) for d in self.pending]).tolist()
+        self.steps.append([dict(zip(names, row)) for row in rows])
+        self.pending = []
+        self.grad_norms.append(grad_norm)
+
+    def metrics(self) -> dict:
+        flat = [d for step in self.steps for d in step]
+        out = {k: sum(d[k] for d in flat) / len(flat) for k in flat[0]}
+        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        out["ratio_dev_max"] = max(d["ratio_dev"] for d in flat)
+        out["ratio_dev_first_update"] = max(d["ratio_dev"] for d in self.steps[0])
+        out["kl_first_update"] = max(d["kl"] for d in self.steps[0])
+        if len(self.steps) > 1:
+            out["ratio_dev_second_update"] = max(d["ratio_dev"] for d in self.steps[1])
+            out["approx_kl_second_update"] = sum(d["approx_kl"] for d in self.steps[1]) / len(self.steps[1])
+        return out
 
 
 class TrainingLoop:

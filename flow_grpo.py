@@ -23,6 +23,20 @@ Simplifications / readings (vs the paper and its official code):
   7. The EMA updates once per optimizer step. The official SD3 and FLUX scripts call its step once per
      training minibatch with the optimizer-step count, so when k minibatches accumulate into one optimizer
      step, each EMA update is applied k times to the same weights: an effective decay d^k.
+  8. Flow-GRPO-Fast, the official code's speed recipe, is a mode of this trainer: `--sde-window W` runs the SDE on
+     W consecutive steps only, the exact Euler step on the rest, and stores and trains only the window's W steps
+     (their log-probs computed once, in the rollout). Each rollout micro-batch (one call of the official
+     pipeline) draws its window's start uniformly in [LO, HI - W] (`--sde-window-range`), from the rank's seeded
+     generator rather than Python's `random` (the official code draws once per pipeline call on each rank), so
+     runs repeat and a resume is bitwise. HI <= T - 1: the last step is never in the window, as the official code
+     keeps it an ODE step, the density being too sharp there. `--timestep-fraction` is unused then (the official
+     Fast scripts do not read it either).
+  9. `--sde-type cps` takes Coefficients-Preserving Sampling's step (common.cps_step) with its official log-prob,
+     -mean (x' - mu)^2: the Gaussian's without its constants and without 1 / (2 std^2). The ratio then has the
+     official scale, so `--clip-range 1e-5` of the official CPS configs means what it means there (a Gaussian
+     log-ratio is this one divided by 2 std^2, tested). Its KL stays the exact one (reading 2), as the official
+     code's. With `--guidance-scale 1` SD3 runs without CFG in rollout and update alike (one conditional forward,
+     no unconditional branch), the official Fast configs' no-CFG training.
 
 Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
 name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
@@ -35,15 +49,17 @@ Run:
   torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 \\
       --prompts-per-step 64
   torchrun --nproc_per_node=8 flow_grpo.py --model sd3 --lora-rank 0 --fsdp --lr 1e-5   # full fine-tuning, FSDP2
+  python flow_grpo.py --sde-window 3 --sde-type cps --noise-level 0.8 --clip-range 1e-5 --beta 0   # Fast, toy
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps;
-N = samples per rank; mb = micro_batch.
+N = samples per rank; mb = micro_batch; k0 = the first step of a rollout micro-batch's SDE window.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +127,8 @@ class Args:
     micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
     lr: float = field(3e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
     sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t)); with --sde-type cps, a in the "
+                                    "std s sin(a pi / 2), in (0, 1]", at_least=1e-12)
     timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
                                      at_least=0, at_most=1)
     updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
@@ -122,6 +139,13 @@ class Args:
     reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
                                     "per-reward (each reward's advantage, then their weighted sum)",
                              choices=common.REWARD_NORMS)
+    sde_type: str = field("flow", "the noisy step: flow (Flow-GRPO's SDE) or cps (Coefficients-Preserving Sampling)",
+                          choices=("flow", "cps"))
+    sde_window: int = field(0, "Flow-GRPO-Fast: the SDE on W consecutive steps only, drawn per rollout micro-batch, "
+                               "the ODE on the rest, and exactly those W steps trained; 0 = the SDE on every step",
+                            at_least=0, at_most=1000)
+    sde_window_range: str | None = field(None, "LO,HI: each window lies in steps LO to HI - 1, its start drawn in "
+                                               "[LO, HI - W]; HI <= T - 1 (default: 0,T//2)")
 
 
 # Full scale: what differs from the toy defaults above, from [Flow-GRPO App. B.3] and the official configs (beta:
@@ -167,7 +191,7 @@ MODEL_DEFAULTS = {
 }
 
 
-# ---- 1. Method functions (the step math is common.sde_step; the loop below is the method) ----
+# ---- 1. Method functions (the step math is common.sde_step or common.cps_step; the loop below is the method) ----
 def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
     """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,).
     The std is a population one (np.std, as the official code), of all the iteration's rewards on all ranks
@@ -175,6 +199,28 @@ def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.T
     grouped = rearrange(rewards, "(b g) -> b g", g=G)
     std = common.all_gather_cat(rewards).std(correction=0) if global_std else grouped.std(1, correction=0, keepdim=True)
     return rearrange((grouped - grouped.mean(1, keepdim=True)) / (std + 1e-4), "b g -> (b g)")
+
+
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """[Flow-GRPO Eq. 5] The per-sample PPO-clip loss max(-A rho, -A clip(rho, 1 - e, 1 + e)): the negated clipped
+    objective, to minimise. (n,)."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+
+
+def sde_window(spec: str | None, W: int, T: int) -> tuple[int, int]:
+    """[Flow-GRPO-Fast] --sde-window-range 'LO,HI' (None: 0,T//2) -> (LO, HI - W), the window starts' range, after
+    checking that W fits and that the last step stays an ODE step; a UsageError names the flag."""
+    try:
+        lo, hi = (int(x) for x in (spec or f"0,{T // 2}").split(","))
+    except ValueError:
+        raise common.UsageError(f"--sde-window-range {spec!r} must be two integers LO,HI, e.g. 0,5") from None
+    if hi > T - 1:
+        raise common.UsageError(f"--sde-window-range {lo},{hi} reaches past step T - 1 = {T - 1} of --sample-steps "
+                                f"{T}: the last step stays an ODE step (its density is too sharp to train); lower HI")
+    if lo < 0 or W > hi - lo:
+        raise common.UsageError(f"--sde-window {W} does not fit in --sde-window-range {lo},{hi}: need 0 <= LO and "
+                                f"W <= HI - LO (widen the range or shorten the window)")
+    return lo, hi - W
 
 
 def main(args: Args) -> dict:
@@ -191,8 +237,20 @@ def main(args: Args) -> dict:
     T_train = int(T * args.timestep_fraction)                # the official code trains the first int(0.99 T) steps
     if not (0 < args.timestep_fraction <= 1 and T_train >= 1):
         raise common.UsageError(f"--timestep-fraction {args.timestep_fraction} of --sample-steps {T} trains no step")
+    cps = args.sde_type == "cps"
+    if cps and args.noise_level > 1:
+        raise common.UsageError(f"--noise-level {args.noise_level} must be in (0, 1] with --sde-type cps (its std is "
+                                f"s sin(a pi / 2)); the official CPS configs use 0.8")
+    if args.sde_window:                                      # [Flow-GRPO-Fast] train exactly the window's steps
+        starts, T_train = sde_window(args.sde_window_range, args.sde_window, T), args.sde_window
+    elif cps and T_train == T:
+        raise common.UsageError(f"--sde-type cps cannot train the last step (its std is 0 at t = 0): lower "
+                                f"--timestep-fraction {args.timestep_fraction} below 1, or pass --sde-window")
+    window = f", SDE window {args.sde_window} starting in {list(range(starts[0], starts[1] + 1))}" \
+        if args.sde_window else ""
     common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} ({N // mb} "
-                  f"per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+                  f"per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}"
+                  f"{window} | {args.sde_type} step")
 
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
@@ -227,12 +285,19 @@ def main(args: Args) -> dict:
     # <<< shared: setup-train
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
+    # the policy's noisy step from t to s, (next_x, log_prob, mean, std), and its (mean, std) alone
+    if cps:                                                  # [CPS] std = s sin(a pi / 2), log-prob: reading 9
+        step = functools.partial(common.cps_step, noise_level=args.noise_level)
+        step_mean_std = functools.partial(common.cps_mean_std, noise_level=args.noise_level)
+    else:                                                    # [Flow-GRPO Eq. 9]
+        step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)
+        step_mean_std = functools.partial(common.sde_mean_std, noise_level=args.noise_level, t_cap=t_cap)
 
     def ref_mean(x, t, s, cond):
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
-        return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
+        return step_mean_std(x, v, t, s)[0]
 
     # >>> shared: loop
     for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
@@ -252,80 +317,85 @@ def main(args: Args) -> dict:
         # <<< shared: iteration-start
         owners = [r for r in records for _ in range(G)]      # (N,) prompt-major: a group is G consecutive rows
         cond = common.cond_repeat(adapter.encode(texts), G)
-        latents, log_probs = [], []                          # (N, T+1, ...) and (N, T)
+        latents, log_probs, finals = [], [], []              # (N, T_sde+1, ...), (N, T_sde), (N, ...) z_T
+        trained = []                                         # per micro-batch: the grid steps of its stored ones
         transformer.eval()
         with torch.no_grad():
             for i in range(0, N, mb):
                 c = common.cond_select(cond, slice(i, i + mb))
+                # [Flow-GRPO-Fast] the window: W steps from k0, drawn anew for each rollout micro-batch
+                k0 = int(torch.randint(starts[0], starts[1] + 1, (1,), generator=gen)) if args.sde_window else 0
+                sde_steps = range(k0, k0 + args.sde_window) if args.sde_window else range(T)
                 z = adapter.noise(mb, gen)
-                zs, lps = [z], []
+                zs, lps = [], []
                 for k in range(T):
                     v = adapter.velocity(net, z, sigmas[k], c)
-                    z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
-                                                  generator=gen)
-                    zs.append(z)
-                    lps.append(lp)
+                    if k == k0:
+                        zs.append(z)
+                    if k in sde_steps:                       # [Flow-GRPO Eq. 9] or [CPS]: its sample and log-prob
+                        z, lp, _, _ = step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
+                        zs.append(z)
+                        lps.append(lp)
+                    else:                                    # [Flow-GRPO-Fast] outside the window: the exact ODE
+                        z = common.ode_step(z, v, sigmas[k], sigmas[k + 1])
                 latents.append(torch.stack(zs, 1))
                 log_probs.append(torch.stack(lps, 1))
-        latents, log_probs = torch.cat(latents), torch.cat(log_probs)
+                finals.append(z)
+                trained.append(sde_steps[:T_train])
+        latents, log_probs, finals = torch.cat(latents), torch.cat(log_probs), torch.cat(finals)
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> group-relative advantages [Flow-GRPO Eq. 4] ----
         tic = time.time()
         with torch.no_grad():
-            images = torch.cat([adapter.decode(latents[i:i + mb, -1]) for i in range(0, N, mb)])
+            images = torch.cat([adapter.decode(finals[i:i + mb]) for i in range(0, N, mb)])
             rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=mb)
         advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
+        # >>> shared: update
         loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
-        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
+        stats = common.UpdateStats()
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for m in chunk:
                 idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
-                for k in range(T_train):
-                    sync = m == chunk[-1] and k == T_train - 1      # the update's last backward all-reduces
-                    z, z_next = latents[idx, k], latents[idx, k + 1]
+                for j, k in enumerate(trained[m]):          # the j-th stored step is step k of the grid
+                    sync = m == chunk[-1] and j == len(trained[m]) - 1  # the update's last backward all-reduces
+                    z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
-                        _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
-                                                           next_x=z_next)
-                        ratio = torch.exp(lp - log_probs[idx, k])
-                        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                        _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
+                        ratio = torch.exp(lp - log_probs[idx, j])
+                        pg = clipped_objective(ratio, A, args.clip_range)
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
-                        guard.backward(loss / (len(chunk) * T_train))  # per step: one step's activations alive
-                    step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
-                            "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
-                            "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}
-                    for name, value in step.items():
-                        stats[name].append(value.item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
-                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
-                metrics["kl_first_update"] = max(stats["kl"])
+                        guard.backward(loss / (len(chunk) * len(trained[m])))  # one step's activations alive
+                    stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                              clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                              approx_kl=0.5 * ((lp - log_probs[idx, j]) ** 2).mean())
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
-            stats["grad_norm"].append(grad_norm)
+            stats.stepped(grad_norm)
             if ema and stepped:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
+        # <<< shared: update
 
         # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update(stats.metrics())
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
-            "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
         })

@@ -265,6 +265,12 @@ def mgai_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float],
     return total.clamp(-adv_clip, adv_clip)
 
 
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """[Flow-GRPO Eq. 5] The per-sample PPO-clip loss max(-A rho, -A clip(rho, 1 - e, 1 + e)): the negated clipped
+    objective, to minimise. (n,)."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+
+
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
@@ -411,7 +417,7 @@ def main(args: Args) -> dict:
         loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
+        stats = common.UpdateStats()
         for k in range(n_sde):
             for rows in chunks:
                 P = rows.stop - rows.start
@@ -422,28 +428,23 @@ def main(args: Args) -> dict:
                                                          next_x=branches[rows, k])     # (P, G) log-probs, mu (P, ...)
                     ratio = torch.exp(lp - log_probs[rows, k])                           # (P, G)
                     # [Flow-GRPO Eq. 5] the clipped objective on step k only, no KL by default [G2RPO, objective]
-                    pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                    pg = clipped_objective(ratio, A, args.clip_range)
                     kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                         if args.beta > 0 else torch.zeros(P, device=pg.device)
                     loss = pg.mean() + args.beta * kl.mean()
                     guard.backward(loss * P / B)             # the step's loss: mean over all the rank's branches
-                step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
-                        "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
-                        "approx_kl": 0.5 * ((lp - log_probs[rows, k]) ** 2).mean()}
-                for name, value in step.items():
-                    stats[name].append(value.item())
-            if k == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
-                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
-                metrics["kl_first_update"] = max(stats["kl"])
+                stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                          clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                          approx_kl=0.5 * ((lp - log_probs[rows, k]) ** 2).mean())
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
-            stats["grad_norm"].append(grad_norm)
+            stats.stepped(grad_norm)
             if ema and stepped:
                 ema.step(it * n_sde + k + 1)
         t_update = time.time() - tic
 
         # ---- 3d. Metrics ----
         zero_std = torch.stack([(r.std(2) < 1e-6).float().mean() for r in parts.values()]).mean()
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update(stats.metrics())
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
@@ -454,7 +455,6 @@ def main(args: Args) -> dict:
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "adv_abs_mean": advantages.abs().mean().item(),
             "adv_clamp_frac": (advantages.abs() >= args.adv_clip).float().mean().item(),
-            "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
             "nfe_anchor": nfe_anchor, "nfe_continuation": nfe_continuation,

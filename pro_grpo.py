@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +237,12 @@ def ovf_select(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([order[:best], order[n - k + best:]]).sort().values
 
 
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """[Flow-GRPO Eq. 5] The per-sample PPO-clip loss max(-A rho, -A clip(rho, 1 - e, 1 + e)): the negated clipped
+    objective, to minimise. (n,)."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+
+
 def survivor_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """[Pro-GRPO, advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
     ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4; the loop clamps the result to +-adv_clip, after the sum
@@ -320,6 +327,7 @@ def main(args: Args) -> dict:
     # <<< shared: setup-train
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
+    step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)  # [Flow-GRPO Eq. 9]
     # FLOPs proxy per trajectory-step: forward 1, forward + backward 3, reference forward 1 (reading 7)
     train_cost = 3 + (args.beta > 0)
     baseline_cost = B * args.baseline_group * (T + train_cost * T_train)  # Flow-GRPO, same prompts and steps
@@ -389,11 +397,12 @@ def main(args: Args) -> dict:
                     t_preview += time.time() - tic_p
                 if k == T:
                     break
-                z, lp, _, _ = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap, generator=gen)
+                z, lp, _, _ = step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
                 zs.append(z)
                 lps.append(lp)
         latents, log_probs = torch.stack(zs, 1), torch.stack(lps, 1)  # (N, T+1, ...) and (N, T), survivors
         cond = common.cond_select(cond, alive // G)           # (N, ...) the survivors' conditioning, prompt-major
+        trained = [range(T_train)] * (N // mb)               # every micro-batch trains the first T_train steps
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> advantages over the survivors [Pro-GRPO, advantage] ----
@@ -408,46 +417,42 @@ def main(args: Args) -> dict:
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
+        # >>> shared: update
         loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
-        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm")}
+        stats = common.UpdateStats()
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for m in chunk:
                 idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
-                for k in range(T_train):
-                    sync = m == chunk[-1] and k == T_train - 1      # the update's last backward all-reduces
-                    z, z_next = latents[idx, k], latents[idx, k + 1]
+                for j, k in enumerate(trained[m]):          # the j-th stored step is step k of the grid
+                    sync = m == chunk[-1] and j == len(trained[m]) - 1  # the update's last backward all-reduces
+                    z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
-                        _, lp, mu, std_k = common.sde_step(z, v, sigmas[k], sigmas[k + 1], args.noise_level, t_cap,
-                                                           next_x=z_next)
-                        ratio = torch.exp(lp - log_probs[idx, k])
-                        pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                        _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
+                        ratio = torch.exp(lp - log_probs[idx, j])
+                        pg = clipped_objective(ratio, A, args.clip_range)
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(pg)
                         loss = (pg + args.beta * kl).mean()
-                        guard.backward(loss / (len(chunk) * T_train))  # per step: one step's activations alive
-                    step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
-                            "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
-                            "approx_kl": 0.5 * ((lp - log_probs[idx, k]) ** 2).mean()}
-                    for name, value in step.items():
-                        stats[name].append(value.item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
-                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
-                metrics["kl_first_update"] = max(stats["kl"])
+                        guard.backward(loss / (len(chunk) * len(trained[m])))  # one step's activations alive
+                    stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                              clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                              approx_kl=0.5 * ((lp - log_probs[idx, j]) ** 2).mean())
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
-            stats["grad_norm"].append(grad_norm)
+            stats.stepped(grad_norm)
             if ema and stepped:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
+        # <<< shared: update
 
         # ---- 3d. Metrics ----
         zero_std = (grouped.std(1) < 1e-6).float().mean()
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update(stats.metrics())
         if sizes and rewards.std() > 0 and proxy.std() > 0:  # does the last preview predict the final reward?
             diag["preview_corr"] = torch.corrcoef(torch.stack([proxy, rewards.cpu()]))[0, 1].item()
         metrics.update(diag)
@@ -457,7 +462,6 @@ def main(args: Args) -> dict:
             **reward_fn.means(parts),
             "group_std_trained": group_std(rewards, K),       # the clustering diagnostic OVF raises
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
-            "ratio_dev_max": max(stats["ratio_dev"]),
             "t_rollout": t_rollout, "t_preview": t_preview, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
             "nfe_sample": nfe_sample,

@@ -409,8 +409,7 @@ def main(args: Args) -> dict:
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
-        stats = {k: [] for k in ("loss", "pg_loss", "kl", "ratio_dev", "clip_frac", "approx_kl", "grad_norm",
-                                 "surrogate")}
+        stats = common.UpdateStats()
         for u in range(args.updates_per_rollout):
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for m in chunk:
@@ -423,24 +422,18 @@ def main(args: Args) -> dict:
                     kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
                     loss = (pg + args.beta * kl).mean()
                     guard.backward(loss / len(chunk))
-                step = {"loss": loss, "pg_loss": pg.mean(), "kl": kl.mean(), "ratio_dev": (ratio - 1).abs().max(),
-                        "clip_frac": ((ratio - 1).abs() > args.clip_range).float().mean(),
-                        "approx_kl": 0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(),
-                        "surrogate": surrogate.mean()}
-                for name, value in step.items():
-                    stats[name].append(value.item())
-            if u == 0:  # before the first optimizer step the update is on-policy: rho = 1 and the KL is 0
-                metrics["ratio_dev_first_update"] = max(stats["ratio_dev"])
-                metrics["kl_first_update"] = max(stats["kl"])
+                stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                          clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                          approx_kl=0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(), surrogate=surrogate.mean())
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
-            stats["grad_norm"].append(grad_norm)
+            stats.stepped(grad_norm)
             if ema and stepped:
                 ema.step(it * args.updates_per_rollout + u + 1)
         t_update = time.time() - tic
 
         # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items() if v})
+        metrics.update(stats.metrics())
         work = common.work_done(adapter, reward_fn, work_before, guard)
         L_old = rearrange(surrogate_old, "(b g) -> b g", g=G)
         metrics.update({
@@ -448,7 +441,6 @@ def main(args: Args) -> dict:
             "reward_std": rewards.std().item(),
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
-            "ratio_dev_max": max(stats["ratio_dev"]),
             "adv_abs_max": advantages.abs().max().item(),
             # the paper's variance diagnostics: spread of L(theta_old) over the batch and within groups
             "surrogate_old": surrogate_old.mean().item(),

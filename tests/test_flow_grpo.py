@@ -23,8 +23,9 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
 
 
-@pytest.mark.parametrize("model,extra", [("toy", []), ("sd3", ["--beta", "0.01"]),
-                                         ("flux", ["--beta", "0.01"])])
+@pytest.mark.parametrize("model,extra", [("toy", []), ("sd3", ["--beta", "0.01"]), ("flux", ["--beta", "0.01"]),
+                                         ("toy", ["--sde-window", "2", "--sde-type", "cps", "--noise-level", "0.8",
+                                                 "--reward", "toy-soft"])])
 def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """Before the first optimizer step the recomputed log-probs equal the rollout's: ratio exactly 1, and
     the KL of the policy to the reference (itself, before any update) exactly 0."""
@@ -159,3 +160,67 @@ def test_the_ema_updates_once_per_optimizer_step(tmp_path, monkeypatch):
                     "--output-dir", str(tmp_path / "r"), *small(without=("eval_every",))])
     assert [n for n, _ in calls] == list(range(1, 9))
     assert [u for _, u in calls] == [0] * 7 + [1]  # before the step: the shadow moves first after step 7 ((7 + 1) % 8)
+
+
+# ---- Flow-GRPO-Fast: the SDE window, CPS, no CFG ----
+FAST = ["--sample-steps", "6", "--sde-window", "2", "--sde-window-range", "0,4", "--micro-batch", "2"]
+
+
+@pytest.mark.parametrize("sde_type", ["flow", "cps"])
+def test_the_sde_window_is_the_only_noisy_stored_and_trained_part(sde_type, tmp_path, monkeypatch):
+    """Every transformer call is recorded: in the rollout, a step outside the window is exactly Euler (computed
+    here), one inside is not; the window (2 steps) starts anew in each micro-batch, in [0, 4 - 2], never on the last
+    step; the update recomputes exactly the window's steps (their times), and the first update is on-policy."""
+    calls, velocity = [], common.FluxFamilyAdapter.velocity
+
+    def recorded(self, net, x, t, cond):
+        v = velocity(self, net, x, t, cond)
+        calls.append((torch.is_grad_enabled(), x.clone(), float(t), v.clone()))
+        return v
+    monkeypatch.setattr(common.FluxFamilyAdapter, "velocity", recorded)
+    run(flow_grpo, [*small(without=("sample_steps", "micro_batch")), *FAST, "--iterations", "3", "--eval-every", "0",
+                    "--sde-type", sde_type, "--noise-level", "0.8", "--beta", "0", "--reward", "toy-soft",
+                    "--output-dir", str(tmp_path / "r")])
+    sigmas = common.uniform_sigmas(6)
+    rollout = [c for c in calls if not c[0]]
+    assert len(rollout) == 3 * 4 * 6                               # 3 iterations x 4 micro-batches x 6 steps
+    starts = []
+    for b in range(12):                                            # one micro-batch's trajectory at a time
+        steps = rollout[b * 6:(b + 1) * 6]
+        assert [t for _, _, t, _ in steps] == sigmas[:6].tolist()
+        nexts = [x for _, x, _, _ in steps[1:]]
+        euler = [torch.equal(x1, x + (sigmas[k + 1] - sigmas[k]) * v)
+                 for k, ((_, x, _, v), x1) in enumerate(zip(steps, nexts))]   # steps 0..4; step 5 ends the sample
+        noisy = [k for k, e in enumerate(euler) if not e]
+        assert len(noisy) == 2 and noisy[1] == noisy[0] + 1 and 0 <= noisy[0] <= 2, noisy
+        starts.append(noisy[0])
+    assert len(set(starts)) > 1                                    # drawn anew per micro-batch
+    trained = [t for grad, _, t, _ in calls if grad]
+    assert len(trained) == 3 * 4 * 2                               # 2 steps per micro-batch, once each
+    lines = read_metrics(tmp_path / "r")
+    assert all(m["nfe_fwd_bwd"] == 8 * 2 and m["nfe_fwd"] == 8 * 6 for m in lines[:3])
+    assert {round(t, 6) for t in trained} <= {round(float(t), 6) for t in sigmas[:4]}  # inside [LO, HI) = [0, 4)
+    assert all(m["ratio_dev_first_update"] == 0.0 and m["ratio_dev_second_update"] > 0 for m in lines[:3])
+
+
+def test_a_resumed_fast_run_equals_a_straight_one(tmp_path):
+    base = [*tiny_argv("flow_grpo", "flux"), "--seed", "5", *small(without=("sample_steps", "micro_batch")), *FAST,
+            "--sde-type", "cps", "--noise-level", "0.8", "--clip-range", "1e-5", "--beta", "0"]
+    a, b = straight_and_resumed(flow_grpo, base, 2, 3, tmp_path)
+    assert a == b and len(a) == 4
+    sa = torch.load(tmp_path / "straight/checkpoints/iter_000003/training_state.pt", weights_only=False)
+    sb = torch.load(tmp_path / "split/checkpoints/iter_000003/training_state.pt", weights_only=False)
+    assert all(torch.equal(x, y) for x, y in zip(sa["params"], sb["params"]))
+
+
+@pytest.mark.parametrize("guidance,rows", [("1", 1), ("4.5", 2)])
+def test_sd3_without_cfg_makes_one_forward_in_rollout_and_update(guidance, rows, tmp_path):
+    """--guidance-scale 1 (the official no-CFG Fast configs): one conditional forward per step in the rollout and
+    in the update; with CFG each is two rows (unconditional and conditional)."""
+    run(flow_grpo, [*tiny_argv("flow_grpo", "sd3"), "--guidance-scale", guidance, "--iterations", "1",
+                    "--eval-every", "0", "--sde-window", "1", "--sde-window-range", "0,2", "--beta", "0",
+                    "--output-dir", str(tmp_path / "r")])
+    m = read_metrics(tmp_path / "r")[0]
+    samples, steps = 2 * 2, 4                                       # SMOKE: 2 prompts x group 2, 4 steps
+    assert m["nfe_fwd"] == rows * samples * steps and m["nfe_fwd_bwd"] == rows * samples * 1
+    assert m["ratio_dev_first_update"] == 0.0

@@ -108,3 +108,57 @@ def test_x0_prediction_inverts_the_interpolation():
     x0, eps, t = torch.randn(2, 5), torch.randn(2, 5), torch.tensor([0.3, 0.8])
     xt = (1 - t[:, None]) * x0 + t[:, None] * eps
     torch.testing.assert_close(common.x0_prediction(xt, eps - x0, t), x0)
+
+
+# ---- Coefficients-Preserving Sampling (CPS) ----
+def test_cps_step_by_hand_on_two_elements():
+    """t = 0.6, s = 0.4, a = 0.5: x0_hat = x - 0.6 v = (-0.7, -1.3), x1_hat = x + 0.4 v = (1.3, -0.8),
+    std = 0.4 sin(pi / 4) = sqrt(0.08), sqrt(s^2 - std^2) = sqrt(0.16 - 0.08) = sqrt(0.08) = 0.2828427125,
+    mean = 0.6 x0_hat + 0.2828427125 x1_hat = (-0.42 + 0.3676955262, -0.78 - 0.2262741700)."""
+    x, v = torch.tensor([[0.5, -1.0]]), torch.tensor([[2.0, 0.5]])
+    mean, std = common.cps_mean_std(x, v, 0.6, 0.4, 0.5)
+    torch.testing.assert_close(mean, torch.tensor([[-0.0523044738, -1.0062741700]]), atol=1e-7, rtol=0)
+    torch.testing.assert_close(std, torch.tensor(0.2828427125), atol=1e-7, rtol=0)
+    # log-prob of a given next state: -mean (x' - mean)^2 = -(0.0523044738^2 + 0.0062741700^2) / 2
+    _, lp, _, _ = common.cps_step(x, v, 0.6, 0.4, 0.5, next_x=torch.tensor([[0.0, -1.0]]))
+    torch.testing.assert_close(lp, torch.tensor([-0.0013875616]), atol=1e-8, rtol=0)
+
+
+def test_cps_at_noise_zero_is_the_ddim_step_and_keeps_the_noise_coefficient():
+    torch.manual_seed(0)
+    sigmas = common.sd3_sigmas(10)
+    x, v = torch.randn(3, 4, 8, 8), torch.randn(3, 4, 8, 8)
+    for k in range(10):
+        t, s = sigmas[k], sigmas[k + 1]
+        nxt, lp, mean, std = common.cps_step(x, v, t, s, 0.0, generator=torch.Generator().manual_seed(k))
+        ddim = (1 - s) * (x - t * v) + s * (x + (1 - t) * v)       # (1 - s) x0_hat + s x1_hat
+        assert torch.equal(mean, ddim) and torch.equal(nxt, ddim) and float(std) == 0.0 and torch.equal(lp, 0 * lp)
+        torch.testing.assert_close(ddim, common.ode_step(x, v, t, s), atol=1e-5, rtol=0)  # DDIM is Euler, rounded
+    # the coefficients, read off the function: x = t, v = 1 makes x0_hat = 0 and x1_hat = 1, so mean = sqrt(s^2 - std^2)
+    for a in (0.3, 0.8, 1.0):
+        for k in range(9):
+            t, s = float(sigmas[k]), float(sigmas[k + 1])
+            c1, std = common.cps_mean_std(torch.full((1, 1), t), torch.ones(1, 1), t, s, a)
+            torch.testing.assert_close(c1 ** 2 + std ** 2, torch.tensor([[s ** 2]]), atol=1e-6, rtol=0)
+            torch.testing.assert_close(std, torch.tensor(s * math.sin(a * math.pi / 2)))
+
+
+def test_cps_log_ratio_is_the_gaussian_log_ratio_times_two_variances():
+    """The official CPS log-prob drops 1 / (2 std^2) and the constants: for two policies at the same step (the same
+    std), log N(x'; mu1) - log N(x'; mu2) = (lp1 - lp2) / (2 std^2), element-averaged (torch.distributions)."""
+    torch.manual_seed(1)
+    sigmas = common.sd3_sigmas(10)
+    x, v1 = torch.randn(4, 16, 12), torch.randn(4, 16, 12)
+    v2 = v1 + 0.05 * torch.randn(4, 16, 12)
+    for k in (0, 3, 8):
+        nxt, lp1, mu1, std = common.cps_step(x, v1, sigmas[k], sigmas[k + 1], 0.8,
+                                             generator=torch.Generator().manual_seed(k))
+        _, lp2, mu2, _ = common.cps_step(x, v2, sigmas[k], sigmas[k + 1], 0.8, next_x=nxt)
+        gauss = [torch.distributions.Normal(mu.double(), std.double()).log_prob(nxt.double()).flatten(1).mean(1)
+                 for mu in (mu1, mu2)]
+        torch.testing.assert_close(gauss[0] - gauss[1], (lp1 - lp2).double() / (2 * std.double() ** 2),
+                                   rtol=1e-4, atol=1e-7)
+        assert (lp1 - lp2).abs().max() > 0                       # the policies differ: the check can fail
+        # the sample is the Gaussian's: the standardised residual has mean 0 and variance 1
+        r = ((nxt - mu1) / std).flatten()
+        assert abs(r.mean()) < 0.1 and abs(r.var() - 1) < 0.1

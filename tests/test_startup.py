@@ -67,6 +67,17 @@ STARTUP = [
     ("g2rpo", ["--grid-shift", "nan"], "--grid-shift nan must be at least 1e-12"),
     ("flow_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
     ("flow_grpo", ["--timestep-fraction", "inf"], "--timestep-fraction inf must be at least 0 and at most 1"),
+    ("flow_grpo", ["--sde-window", "3"], "--sde-window 3 does not fit in --sde-window-range 0,2: need 0 <= LO and "
+                                         "W <= HI - LO"),   # SMALL: 4 steps, so the default range is 0,T//2 = 0,2
+    ("flow_grpo", ["--sde-window", "1", "--sde-window-range", "0,4"], "--sde-window-range 0,4 reaches past step "
+                                                                     "T - 1 = 3 of --sample-steps 4"),
+    ("flow_grpo", ["--sde-window", "1", "--sde-window-range=-1,2"], "does not fit in --sde-window-range -1,2"),
+    ("flow_grpo", ["--sde-window", "1", "--sde-window-range", "0:2"], "--sde-window-range '0:2' must be two "
+                                                                     "integers LO,HI"),
+    ("flow_grpo", ["--sde-type", "cps", "--noise-level", "1.5"], "--noise-level 1.5 must be in (0, 1] with --sde-type "
+                                                                 "cps"),
+    ("flow_grpo", ["--sde-type", "cps", "--timestep-fraction", "1"], "--sde-type cps cannot train the last step"),
+    ("flow_grpo", ["--sde-type", "ddim"], "argument --sde-type: invalid choice: 'ddim'"),
     ("pro_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
     ("v_grpo", ["--soft-clip", "nan"], "--soft-clip nan must be at least 0"),
 ]
