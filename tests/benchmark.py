@@ -71,15 +71,36 @@ sys.path.insert(0, str(ROOT))
 from helpers import TRAINERS as METHODS  # noqa: E402  (the trainers, found by their marker; flow_grpo first)
 from helpers import read_metrics  # noqa: E402
 
+# A variant is a trainer run with flags of its own, benchmarked as a method beside the trainers: name -> (trainer, its
+# toy recipe, its full-scale FLUX settings for the cost runs). Flow-GRPO-Fast is flow_grpo.py's official speed recipe:
+# the toy recipe is the official one (an SDE window of 3 in steps 0-4 of 10, CPS at 0.8, clip 1e-5, no KL), and the
+# FLUX one the official pickscore_flux_fast config (README, Recipes of the papers).
+VARIANTS = {"flow_grpo-fast": ("flow_grpo", ["--sde-window", "3", "--sde-type", "cps", "--noise-level", "0.8",
+                                             "--clip-range", "1e-5", "--beta", "0"],
+                               ["--sde-window", "3", "--sde-window-range", "0,3", "--sde-type", "cps",
+                                "--noise-level", "0.8", "--clip-range", "1e-5", "--beta", "0", "--no-global-std"])}
+RUNS = METHODS + list(VARIANTS)                            # what --methods runs by default
+LABELS = {"flow_grpo-fast": "flow_grpo (fast)"}           # how the tables and the plot name a run kind
+
+
+def script(method: str) -> str:
+    """The trainer a method (a trainer or a variant) runs."""
+    return VARIANTS[method][0] if method in VARIANTS else method
+
+
+def label(method: str) -> str:
+    return LABELS.get(method, method)
+
 BASELINE = "flow_grpo"
 PALETTE = [(90, 90, 90), (214, 39, 40), (31, 119, 180), (44, 160, 44), (255, 127, 14), (148, 103, 189),
            (140, 86, 75), (227, 119, 194)]
-KNOWN = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo"]      # the README plot's colours; a fork takes the next one
-COLORS = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(KNOWN + [m for m in METHODS if m not in KNOWN])}
+KNOWN = ["flow_grpo", "v_grpo", "g2rpo", "pro_grpo", "flow_grpo-fast"]  # the README plot's colours; a fork: the next
+COLORS = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(KNOWN + [m for m in RUNS if m not in KNOWN])}
 FWD_BWD = 3                                                # a forward+backward, in forwards
 # --quick: tiny sizes that every trainer accepts (Pro-GRPO's funnel has to fit in its group)
 QUICK_SIZES = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4"]
-QUICK_EXTRA = {"pro_grpo": ["--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"]}
+QUICK_EXTRA = {"pro_grpo": ["--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"],
+               "flow_grpo-fast": ["--sde-window", "1", "--sde-window-range", "0,2"]}
 # The smoke-run settings (helpers.SMOKE, TRAINER_SMOKE) that the cost runs put back to the FLUX values: those
 # that decide the work per prompt. Prompts, resolution, LoRA, lr and the rest change no count (or only scale it).
 NOT_STRUCTURE = {"reward", "iterations", "eval_every", "eval_images", "eval_steps", "resolution", "prompts_per_step",
@@ -88,7 +109,8 @@ NOT_STRUCTURE = {"reward", "iterations", "eval_every", "eval_images", "eval_step
 CLAIMS = {"flow_grpo": "the baseline",
           "pro_grpo": "336k vs 453k TFLOPs per epoch against Flow-GRPO's group of 24: 1.35x fewer",
           "v_grpo": "NFE_old = 16 + 4 and NFE_theta = 4 per sample on FLUX",
-          "g2rpo": "none in these units"}
+          "g2rpo": "none in these units",
+          "flow_grpo-fast": "the official README's figures: PickScore 19.8 -> 23.9 in about 170 H800 GPU-hours"}
 # Two-sided 95% quantiles of Student's t by degrees of freedom; beyond the table, the Cornish-Fisher expansion.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 # For the printed time estimate, measured on 2 CPU cores with 2 runs at a time: a run's start-up and checkpoint
@@ -107,9 +129,12 @@ def t975(dof: int) -> float:
 # ---- the trainers' settings ----
 @functools.cache
 def trainer(method: str) -> tuple[dict, dict]:
-    """A trainer's Args defaults (its toy run) and its MODEL_DEFAULTS."""
-    module = importlib.import_module(method)
-    return {f.name: f.default for f in dataclasses.fields(module.Args)}, module.MODEL_DEFAULTS
+    """A method's toy settings (its trainer's Args defaults, with a variant's flags) and its trainer's
+    MODEL_DEFAULTS."""
+    import common
+    module = importlib.import_module(script(method))
+    return dataclasses.asdict(common.cli(module.Args, VARIANTS[method][1] if method in VARIANTS else [])), \
+        module.MODEL_DEFAULTS
 
 
 def sig(x: float) -> float:
@@ -145,11 +170,18 @@ def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
     import helpers
     args, model_defaults = trainer(method)
     flux = model_defaults["flux"]
-    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE.get(method, {}))) - NOT_STRUCTURE
+    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE.get(script(method), {}))) - NOT_STRUCTURE
     restored = {k: flux.get(k, args[k]) for k in sorted(shrunk) if k in args and flux.get(k, args[k]) is not None}
-    argv = [*helpers.tiny_argv(method, "flux", drop=("prompts_per_step", *restored)),
-            "--prompts-per-step", str(prompts), *helpers.flags(restored)]
+    variant = VARIANTS[method][2] if method in VARIANTS else []
+    argv = [*helpers.tiny_argv(script(method), "flux", drop=("prompts_per_step", *restored)),
+            "--prompts-per-step", str(prompts), *helpers.flags(restored), *variant]
     shown = {**restored, **{k: flux.get(k, args[k]) for k in ("granularities",) if k in args}}
+    if variant:                                             # and a variant's own FLUX settings
+        import common
+        parsed = dataclasses.asdict(common.cli(importlib.import_module(script(method)).Args, ["--model", "flux",
+                                                                                             *variant], model_defaults))
+        shown.update({k: parsed[k] for k in sorted(f[2:].removeprefix("no-").replace("-", "_") for f in variant
+                                                   if f.startswith("--"))})
     return argv, shown, {"prompts_per_step": flux.get("prompts_per_step", args["prompts_per_step"])}
 
 
@@ -193,7 +225,7 @@ def start_fork_server():
 def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], float]:
     """Runs one trainer in its own process (one thread); returns its metrics (helpers.read_metrics) and wall-clock
     seconds."""
-    argv = ["--output-dir", str(run_dir), "--threads", "1", *argv]
+    argv, method = ["--output-dir", str(run_dir), "--threads", "1", *argv], script(method)
     cmd = [sys.executable, str(ROOT / f"{method}.py"), *argv]
     log = run_dir.parent / f"{run_dir.name}.log"                 # (with_suffix would cut at the "." of "lr0.0003")
     tic = time.time()
@@ -388,7 +420,7 @@ def tables(analysis: dict, settings: dict) -> str:
     rows = []
     for m, sw in analysis["sweep"].items():
         for row in sw["rows"]:
-            rows.append([m, config_str(row["config"]) + (" (default)" if row["default"] else ""),
+            rows.append([label(m), config_str(row["config"]) + (" (default)" if row["default"] else ""),
                          *[("failed" if row["scores"].get(str(s)) is None else f"{row['scores'][str(s)]:.3f}")
                            for s in seeds],
                          "" if row["mean"] is None else f"{row['mean']:.3f}",
@@ -409,7 +441,7 @@ def tables(analysis: dict, settings: dict) -> str:
             d = s.get("diff_vs_" + BASELINE)
             diff = "" if d is None else (f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}] {d['word']}"
                                          if d["n"] > 1 else f"{d['mean']:+.3f}")
-            rows.append([m, config_str(s["config"]), pm(s["iterations"], 1), f"{s['s_per_it']:.2f}",
+            rows.append([label(m), config_str(s["config"]), pm(s["iterations"], 1), f"{s['s_per_it']:.2f}",
                          f"{s['fwd_eq_per_it']:.0f}", f"{pm(s['reward_before'])} -> {pm(s['reward_after'])}",
                          f"{pm(s['accuracy_before'])} -> {pm(s['accuracy_after'])}", diff])
         n = len(next(iter(summ.values()))["seeds"]) if summ else 0
@@ -426,7 +458,7 @@ def tables(analysis: dict, settings: dict) -> str:
                 f"tiny-flux smoke sizes: group_size {c['group_size']}, sample_steps {c['sample_steps']}")
             cells = [f"{q[k]:.0f} ({pi[k] / 1000:.1f}k)" for k in ("nfe_fwd", "nfe_fwd_bwd", "fwd_eq", "decodes",
                                                                       "reward_calls")]
-            rows.append([m, f"{p['prompts_per_step']}", counted, *cells, c["claim"], counts_note(m, c)])
+            rows.append([label(m), f"{p['prompts_per_step']}", counted, *cells, c["claim"], counts_note(m, c)])
         text += [f"### Cost at full-scale FLUX settings, counted on tiny-flux ({settings['cost_prompts']} prompts x "
                  f"{settings['cost_iterations']} iterations): per prompt (per paper iteration: x its prompts per "
                  f"iteration); fwd-eq = fwd + {FWD_BWD} fwd+bwd",
@@ -492,8 +524,8 @@ def plot(rows: list[list[dict]], path: Path, title: str, subtitle: str):
             draw.rectangle([X(0), Y(yhi), X(xmax), Y(ylo)], outline="black")
             for t in nice_ticks(0, xmax):
                 draw.line([X(t), Y(ylo), X(t), Y(ylo) + 5], fill="black")
-                label = f"{t / 1000:g}k" if xmax >= 10000 and t else f"{t:g}"
-                draw.text((X(t), Y(ylo) + 8), label, fill="black", font=small, anchor="mt")
+                tick = f"{t / 1000:g}k" if xmax >= 10000 and t else f"{t:g}"
+                draw.text((X(t), Y(ylo) + 8), tick, fill="black", font=small, anchor="mt")
             for t in nice_ticks(ylo, yhi):
                 draw.line([X(0) - 5, Y(t), X(0), Y(t)], fill="black")
                 draw.line([X(0), Y(t), X(xmax), Y(t)], fill=(230, 230, 230))
@@ -513,7 +545,7 @@ def plot(rows: list[list[dict]], path: Path, title: str, subtitle: str):
                 for k, (m, _) in enumerate(series):
                     lx, ly = X(0) + 12, Y(yhi) + 12 + 20 * k
                     draw.line([lx, ly, lx + 24, ly], fill=COLORS[m], width=4)
-                    draw.text((lx + 30, ly), m, fill="black", font=small, anchor="lm")
+                    draw.text((lx + 30, ly), label(m), fill="black", font=small, anchor="lm")
     img.save(path)
 
 
@@ -523,9 +555,9 @@ def draw(runs: list[dict], settings: dict, path: Path):
     rows = []
     for reward in settings["rewards"]:
         final = [r for r in runs if r["phase"] == "final" and r["reward"] == reward]
-        rows.append([{"title": f"reward {reward}", "xlabel": label,
+        rows.append([{"title": f"reward {reward}", "xlabel": xlabel,
                       "curves": {m: [[(p[x], p["reward"]) for p in r["curve"]] for r in final if r["method"] == m]
-                                 for m in settings["methods"]}} for x, label in axes])
+                                 for m in settings["methods"]}} for x, xlabel in axes])
     plot(rows, path, f"Toy model: held-out reward of each method's tuned configuration, {settings['final_budget']:g} "
                      f"s of training, {len(settings['seeds'])} seeds, {settings['eval_images']} held-out images",
          "lines: mean over seeds; shaded: ± one standard error over seeds; each curve up to the shortest run")
@@ -561,7 +593,7 @@ def main(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default runs/benchmark-<time>)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (each on one CPU thread)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated trainers")
+    ap.add_argument("--methods", default=",".join(RUNS), help="comma-separated trainers and variants")
     ap.add_argument("--rewards", default="toy,toy-soft", help="rewards of the final runs (the sweep uses the first)")
     ap.add_argument("--lr-factors", default="1/3,1,3", help="sweep: learning rates as multiples of the default")
     ap.add_argument("--clip-factors", default="1,10", help="sweep: clip ranges as multiples of the default")
@@ -600,8 +632,8 @@ def main(argv=None):
     rewards = [r.strip() for r in a.rewards.split(",")]
     tuning_seeds = [int(s) for s in a.tuning_seeds.split(",")]
     seeds = list(range(a.seeds))
-    if unknown := [m for m in methods if m not in METHODS]:
-        ap.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    if unknown := [m for m in methods if m not in RUNS]:
+        ap.error(f"--methods: unknown {unknown}; choose from {', '.join(RUNS)}")
     if set(tuning_seeds) & set(seeds):
         ap.error(f"--tuning-seeds {tuning_seeds} must differ from the reporting seeds {seeds}")
     if min(a.seeds, a.jobs, a.evals, a.cost_prompts, a.cost_iterations) < 1 or min(a.sweep_budget,
@@ -615,7 +647,7 @@ def main(argv=None):
                 "grids": grids, "default_configs": {m: default_config(m) for m in methods}}
     toy_argv = ["--eval-images", str(a.eval_images), "--eval-steps", str(a.eval_steps), "--iterations", "1000000",
                 *(QUICK_SIZES if a.quick else [])]
-    extra = lambda m: QUICK_EXTRA.get(m, []) if a.quick else []  # noqa: E731
+    extra = lambda m: [*VARIANTS.get(m, (0, []))[1], *(QUICK_EXTRA.get(m, []) if a.quick else [])]  # noqa: E731
     if not a.no_fork:
         start_fork_server()
     startup, eval_s = STARTUP_S[FORK["context"] is not None], EVAL_S_PER_IMAGE_STEP * a.eval_images * a.eval_steps
@@ -666,7 +698,7 @@ def main(argv=None):
     for m in methods:
         argv_m, shown, paper = cost_setting(m, a.cost_prompts)
         if a.quick:
-            argv_m, shown = helpers.tiny_argv(m, "flux"), {}
+            argv_m, shown = [*helpers.tiny_argv(script(m), "flux"), *(VARIANTS[m][2] if m in VARIANTS else [])], {}
         cost_jobs.append(job("costs", m, None, None, None, [*argv_m, "--iterations", str(a.cost_iterations),
                                                            "--eval-every", "0"], paper=paper, settings=shown))
     runs += run_all(cost_jobs, out, a.jobs, "costs")

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 import benchmark
-from benchmark import METHODS
+from benchmark import RUNS
 from helpers import ROOT, read_metrics, tiny_pipeline
 
 
@@ -37,15 +37,15 @@ def test_quick_benchmark(tmp_path):
 
     # the sweep: every configuration of every method on each tuning seed, the toy reward, lr x {1, 3}
     assert settings["tuning_seeds"] == [100, 101] and settings["rewards"] == ["toy", "toy-soft"]
-    for m in METHODS:
+    for m in RUNS:
         default = settings["default_configs"][m]
         assert settings["grids"][m] == [default, {**default, "lr": float(f"{3 * default['lr']:.3g}")}]
     assert sorted((r["method"], json.dumps(r["config"]), r["seed"]) for r in sweep) == sorted(
-        (m, json.dumps(c), s) for m in METHODS for c in settings["grids"][m] for s in (100, 101))
+        (m, json.dumps(c), s) for m in RUNS for c in settings["grids"][m] for s in (100, 101))
     assert all(r["reward"] == "toy" for r in sweep)
 
     # the choice is the best mean final reward over the tuning seeds, a tie going to the default
-    for m in METHODS:
+    for m in RUNS:
         means = [(statistics.fmean(r["after"]["reward"] for r in sweep if r["method"] == m and r["config"] == c), c)
                  for c in settings["grids"][m]]
         best = max(v for v, _ in means)
@@ -58,7 +58,7 @@ def test_quick_benchmark(tmp_path):
 
     # the final runs: the chosen configuration, both rewards, seeds 0 and 1, disjoint from the tuning seeds
     assert sorted((r["method"], r["reward"], r["seed"]) for r in final) == sorted(
-        (m, rw, s) for m in METHODS for rw in ("toy", "toy-soft") for s in (0, 1))
+        (m, rw, s) for m in RUNS for rw in ("toy", "toy-soft") for s in (0, 1))
     budget = settings["final_budget"]
     for r in final:
         lines = read_metrics(out / r["run_dir"])
@@ -82,14 +82,17 @@ def test_quick_benchmark(tmp_path):
             assert len({r["before"]["reward"] for r in runs if r["seed"] == s and r["reward"] == rw}) <= 1
 
     # the instrumented counts equal a hand count: flow_grpo at the quick sizes runs N = 2 prompts x 4 samples
-    # through T = 4 SDE steps, trains the first 3 of them, and evaluates the reference (KL on) on those 3
+    # through T = 4 SDE steps, trains the first 3 of them, and evaluates the reference (KL on) on those 3; its
+    # Fast variant trains the one step of its window, without a KL
     for r in (r for r in runs if r["method"] == "flow_grpo" and r["phase"] != "costs"):
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"], r["decodes"], r["reward_calls"]) == (8 * 4 + 8 * 3, 8 * 3, 8, 8)
+    for r in (r for r in runs if r["method"] == "flow_grpo-fast" and r["phase"] != "costs"):
+        assert (r["nfe_fwd"], r["nfe_fwd_bwd"], r["decodes"], r["reward_calls"]) == (8 * 4, 8 * 1, 8, 8)
 
     # the paired differences, by hand from the raw runs: per seed, then a t-interval on 1 degree of freedom
     for rw in ("toy", "toy-soft"):
         after = {(r["method"], r["seed"]): r["after"]["reward"] for r in final if r["reward"] == rw}
-        for m in METHODS[1:]:
+        for m in RUNS[1:]:
             d = [after[m, s] - after["flow_grpo", s] for s in (0, 1)]
             mean, se = statistics.fmean(d), abs(d[0] - d[1]) / 2      # sd / sqrt(2) for two values
             got = data["summary"][rw][m]["diff_vs_flow_grpo"]
@@ -103,12 +106,12 @@ def test_quick_benchmark(tmp_path):
 
     # the costs: one tiny-flux run per method, counts per prompt = counts per iteration / prompts
     costs = [r for r in runs if r["phase"] == "costs"]
-    assert sorted(r["method"] for r in costs) == sorted(METHODS)
+    assert sorted(r["method"] for r in costs) == sorted(RUNS)
     for r in costs:
         c = data["costs"][r["method"]]
         assert c["per_prompt"]["nfe_fwd"] == r["nfe_fwd"] / r["prompts_per_step"] > 0
         assert c["per_prompt"]["fwd_eq"] == pytest.approx((r["nfe_fwd"] + 3 * r["nfe_fwd_bwd"]) / r["prompts_per_step"])
-        assert f"| {r['method']} | {c['paper']['prompts_per_step']} |" in proc.stdout
+        assert f"| {benchmark.label(r['method'])} | {c['paper']['prompts_per_step']} |" in proc.stdout
 
     img = Image.open(out / "benchmark.png")
     assert img.size == (3 * benchmark.PANEL_W, 2 * benchmark.PANEL_H + benchmark.HEADER_H)
@@ -172,14 +175,19 @@ def test_cost_runs_use_the_papers_flux_group_sizes():
     want = {"flow_grpo": {"group_size": 24, "sample_steps": 6},
             "pro_grpo": {"group_size": 48, "funnel": "24,12", "checkpoints": "3,4", "sample_steps": 6},
             "g2rpo": {"group_size": 12, "sample_steps": 16, "granularities": "1,2,3"},
-            "v_grpo": {"group_size": 12, "sample_steps": 16, "mc_pairs": 4}}
-    papers = {"flow_grpo": 48, "pro_grpo": 48, "g2rpo": 16, "v_grpo": 32}
+            "v_grpo": {"group_size": 12, "sample_steps": 16, "mc_pairs": 4},
+            "flow_grpo-fast": {"group_size": 24, "sample_steps": 6, "sde_window": 3, "sde_window_range": "0,3",
+                               "sde_type": "cps", "noise_level": 0.8, "clip_range": 1e-5, "global_std": False}}
+    papers = {"flow_grpo": 48, "pro_grpo": 48, "g2rpo": 16, "v_grpo": 32, "flow_grpo-fast": 48}
     for m, settings in want.items():
         argv, shown, paper = benchmark.cost_setting(m, 2)
         assert argv[:4] == ["--model", "flux", "--model-path", tiny_pipeline("flux")]
         assert paper["prompts_per_step"] == papers[m]
         assert shown.items() >= settings.items(), (m, shown)
         for k, v in {**shown, "prompts_per_step": 2}.items():
-            if k != "granularities":                                # the Args default, not shrunk: not passed
+            if isinstance(v, bool):                                 # a switch: --name or --no-name
+                assert argv.count(f"--{'' if v else 'no-'}{k.replace('_', '-')}") == 1, (m, k)
+            elif k != "granularities":                              # the Args default, not shrunk: not passed
                 flag = "--" + k.replace("_", "-")
-                assert argv.count(flag) == 1 and argv[argv.index(flag) + 1] == str(v), (m, k)
+                value = argv[argv.index(flag) + 1]
+                assert argv.count(flag) == 1 and (value == str(v) or isinstance(v, float) and float(value) == v), (m, k)
