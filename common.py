@@ -1,21 +1,25 @@
-"""Shared nouns for the four trainers: flow math, runtime and CLI, models, rewards, prompts, logging and
-checkpoints, evaluation. Method logic lives in the trainers; this file names no method, except where the SDE
-step comes from (section 1).
+"""What the four trainers share, in two parts. Method logic lives in the trainers; this file names no method, except
+where a step comes from (Flow-GRPO's SDE, CPS).
+
+Part I, the vocabulary, is for reading beside a paper: what a trainer's method is written in.
+  1. Flow math: schedules, the ODE step, the SDE and CPS steps with their log-probs, the KL
+  2. Models: the adapters (toy, flux, sd3) behind one interface, LoRA, the reference policy, the EMA
+  3. Rewards: the scorers, their weighted sum and its advantages
+  4. Prompts
+Part II, the machinery, is what a fork uses without reading: the README states its promises and the tests hold
+them.
+  5. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives
+  6. The training loop and its guards: the loop around a trainer's method, the step guard, work counters, FSDP2
+  7. Run folders and checkpoints
+  8. Logging and image grids
+  9. Evaluation, also from the command line (`python common.py evaluate`)
+  10. Preflight: the checks of --preflight
+  11. Remote scorers and the reward server (`python common.py serve-reward`)
+  Appendix A. The toy world (its pre-training: `python tests/pretrain_toy.py`)
+  Appendix B. Offline pipelines: the published architectures with random weights
 
 Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise,
 velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
-
-Sections, in reading order:
-  1. Flow math: schedules, ODE step, the SDE step with its log-prob, KL
-  2. Runtime and CLI: torchrun, seeds, collectives, dataclass -> argparse, the trainers' shared loop
-  3. Models: the adapters (flux, sd3), LoRA, FSDP2 sharding, EMA, the step guard, work counters
-  4. Rewards: scorers, weighted sums and their advantages, remote scorers (`python common.py serve-reward`)
-  5. Prompts
-  6. Logging and checkpoints, labelled image grids
-  7. Evaluation, also from the command line (`python common.py evaluate`)
-  8. Preflight: the checks of --preflight
-  Appendix A. The toy world and its pre-training (`python common.py pretrain-toy`)
-  Appendix B. Offline pipelines: the published architectures with random weights
 """
 from __future__ import annotations
 
@@ -50,10 +54,12 @@ from einops import rearrange, repeat
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
-# =============================================================================================
+# ==============================================================================================================
+# PART I. THE VOCABULARY: what a method is written in, read beside its paper
 # 1. Flow math, all in float32. The SDE step is the ODE-to-SDE step of Flow-GRPO [Flow-GRPO Eq. 8, Eq. 9]:
-#    the reverse-time SDE with the ODE's marginals, discretised with Euler-Maruyama, g = a sqrt(t / (1 - t)).
-# =============================================================================================
+#    the reverse-time SDE with the ODE's marginals, discretised with Euler-Maruyama, g = a sqrt(t / (1 - t));
+#    CPS's step keeps the noise coefficient of the marginal [CPS, arXiv 2509.05952].
+# ==============================================================================================================
 def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     """Static time shift of SD3: t = s u / (1 + (s - 1) u)."""
     return shift * u / (1 + (shift - 1) * u)
@@ -173,9 +179,830 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
     return next_x.float(), -((next_x.float() - mean) ** 2).flatten(1).mean(1), mean, std
 
 
-# =============================================================================================
-# 2. Runtime and CLI
-# =============================================================================================
+# ==============================================================================================================
+# 2. Models: one small interface, so trainers never branch on the model; LoRA; the EMA
+# ==============================================================================================================
+# Each adapter holds the frozen parts (text encoders, VAE) and the `transformer` being trained, and knows:
+#   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
+#   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
+#   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
+#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
+#                                   transformer to call (the trained one, DDP-wrapped or the reference)
+#   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
+#   lora_targets, save_lora(dir, state_dict)
+# The toy adapter is in Appendix A, random-weight pipelines in Appendix B.
+MODELS = ("toy", "flux", "sd3")
+
+
+HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
+
+
+FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                     "ff_context.net.2"]
+
+
+SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
+
+
+def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
+               guidance_scale: float | None = None, max_sequence_length: int | None = None,
+               offload_encoders: bool = False):
+    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
+    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
+    the adapter's defaults."""
+    check_model(name, path)
+    if name == "toy":
+        from diffusers import FluxTransformer2DModel
+        from transformers import CLIPTextModel
+        root = Path(path) if path else ASSETS / "toy"
+        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
+    if path and path.startswith("random"):
+        pipe = random_pipeline(name, path, rt.device, rt.dtype)
+    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
+        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
+            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
+    settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
+    return instrument(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
+                                  **{k: v for k, v in settings.items() if v is not None}))
+
+
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The trained transformer's weights: float32 under fp16 compute (fp16 autocast over float32 weights, with
+    loss scaling, as the official SD3.5 recipes train), else the compute dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to the compute dtype on GPU; on CPU everything runs in float32."""
+    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def cond_select(cond: dict, idx) -> dict:
+    """Rows `idx` of every batched tensor in a conditioning dict."""
+    return {k: v[idx] for k, v in cond.items()}
+
+
+def cond_repeat(cond: dict, n: int) -> dict:
+    """Each prompt's conditioning repeated n times in a row (a group of n samples per prompt, prompt-major)."""
+    return {k: repeat(v, "b ... -> (b n) ...", n=n) for k, v in cond.items()}
+
+
+class FluxFamilyAdapter:
+    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
+
+    transformer: torch.nn.Module
+    guidance_scale: float | None = None
+
+    def velocity(self, net, x, t, cond):
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
+        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
+            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t, guidance=guidance,
+                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        return out.float()
+
+
+class PipelineAdapter:
+    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
+    the transformer (or its LoRA) trainable."""
+
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
+                 offload_encoders: bool):
+        _freeze_pipeline(pipe, device, dtype, offload_encoders)
+        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
+        self.device, self.dtype, self.resolution = device, dtype, resolution
+        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        self.offload_encoders = offload_encoders
+
+    @contextlib.contextmanager
+    def encoders_on_device(self):
+        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
+        9.5 GB in bf16)."""
+        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
+        for m in encoders if self.offload_encoders else []:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m in encoders if self.offload_encoders else []:
+                m.to("cpu")
+
+    def vae_decode(self, latents):
+        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
+        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_lora(self, path, state_dict):
+        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+
+
+def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
+    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
+    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            offload = offload_encoders and name.startswith("text_encoder")
+            module.requires_grad_(False).eval().to("cpu" if offload else device)
+            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
+            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
+                module.to(dtype=want)
+
+
+class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
+    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
+
+    lora_targets = FLUX_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
+                 max_sequence_length: int = 512, offload_encoders: bool = False):
+        f = pipe.vae_scale_factor
+        if resolution % (2 * f) or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
+        self.h = 2 * (resolution // (2 * f))  # latent side before packing
+        self.channels = self.transformer.config.in_channels // 4
+        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
+        self.txt_ids = None
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        with self.encoders_on_device():
+            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
+                                                                   max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    def noise(self, n, generator=None):
+        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
+        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
+
+    def sigmas(self, num_steps):
+        c = self.pipe.scheduler.config
+        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                           c.max_shift)
+
+    @torch.no_grad()
+    def decode(self, x):
+        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
+                                                         self.pipe.vae_scale_factor))
+
+
+class SD3Adapter(PipelineAdapter):
+    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
+    pipeline does), static shift 3, timesteps 1000 t."""
+
+    lora_targets = SD3_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
+                 max_sequence_length: int = 128, offload_encoders: bool = False):
+        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        if resolution % f or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
+        self.h = resolution // pipe.vae_scale_factor
+        self.channels = self.transformer.config.in_channels
+        self.negative = None
+
+    def _encode(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        with self.encoders_on_device():
+            if self.negative is None and self.guidance_scale > 1:
+                self.negative = self._encode([""])
+            return self._encode(prompts)
+
+    def noise(self, n, generator=None):
+        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
+
+    def sigmas(self, num_steps):
+        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
+
+    def velocity(self, net, x, t, cond):
+        b = len(x)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
+        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
+        cfg = self.guidance_scale > 1
+        if cfg:  # [uncond, cond] in one batch, like the pipeline
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
+            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
+        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
+            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t * 1000, encoder_hidden_states=embeds,
+                      pooled_projections=pooled, return_dict=False)[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + self.guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, x):
+        return self.vae_decode(x.float())
+
+
+# The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
+def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
+    """Freezes the transformer and adds a peft LoRA (diffusers' integration, so the adapter can be disabled
+    for the reference policy and saved in diffusers' format). rank 0 = full fine-tuning. Returns the
+    trainable parameters (kept in float32 master precision)."""
+    if rank <= 0:
+        transformer.requires_grad_(True)
+        return list(transformer.parameters())
+    from peft import LoraConfig
+    transformer.requires_grad_(False)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+@contextlib.contextmanager
+def lora_disabled(transformer: torch.nn.Module):
+    """The reference policy under LoRA: the same network with its adapter switched off."""
+    transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        transformer.enable_adapters()
+
+
+def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network, made before any
+    sharding (--fsdp then shards it like the trained one)."""
+    return copy.deepcopy(module).eval().requires_grad_(False)
+
+
+class EMA:
+    """Exponential moving average of the trainable parameters, the official GRPO trainers' schedule: after
+    optimizer step n (counting from 1), if (n + 1) is a multiple of `every`, shadow <- decay shadow + (1 - decay)
+    theta with decay = min((1 + n) / (10 + n), max_decay), a warm-up counted in optimizer steps."""
+
+    def __init__(self, params, max_decay: float = 0.9, every: int = 8):
+        self.params, self.max_decay, self.every = list(params), max_decay, every
+        self.shadow = [p.detach().clone() for p in self.params]
+        self.num_updates = 0
+
+    @torch.no_grad()
+    def step(self, optimizer_step: int):
+        if (optimizer_step + 1) % self.every:
+            return
+        decay = min((1 + optimizer_step) / (10 + optimizer_step), self.max_decay)
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach(), 1 - decay)
+        self.num_updates += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    def state_dict(self):
+        return {"shadow": self.shadow, "num_updates": self.num_updates}
+
+    def load_state_dict(self, sd):
+        for s, v in zip(self.shadow, sd["shadow"]):
+            s.copy_(v)
+        self.num_updates = sd["num_updates"]
+
+
+# ==============================================================================================================
+# 3. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32;
+#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None. Then their weighted
+#    sum and its advantages.
+# ==============================================================================================================
+class ToyReward:
+    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
+
+    reads_prompt = True
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts, metadata=None):
+        return toy_reward(images, prompts).to(self.device)
+
+
+class ToySoftReward(ToyReward):
+    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
+
+    def __call__(self, images, prompts, metadata=None):
+        return toy_soft_reward(images, prompts).to(self.device)
+
+
+class JpegCompressibility:
+    """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
+
+    reads_prompt = False
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts, metadata=None):
+        sizes = []
+        for im in _pil_images(images):
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=95)
+            sizes.append(-buf.tell() / 1000)
+        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
+
+
+def _pil_images(images: torch.Tensor) -> list:
+    """(N,3,H,W) in [0, 1] -> N 8-bit RGB PIL images."""
+    from PIL import Image
+    return [Image.fromarray(a) for a in _to_uint8(images).permute(0, 2, 3, 1).numpy()]
+
+
+def hub_file(repo_or_folder: str, filename: str) -> str:
+    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
+    if Path(repo_or_folder).is_dir():
+        return str(Path(repo_or_folder) / filename)
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_or_folder, filename)
+
+
+def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
+    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
+    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
+    as transformers), normalise by image_mean / image_std."""
+    x, size, crop = images.float(), config["size"], config["crop_size"]
+    if size.get("height") is not None:
+        size = (size["height"], size["width"])
+    else:
+        s, (h, w) = size["shortest_edge"], x.shape[-2:]
+        size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
+    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
+    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
+    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
+    return (x - mean) / std
+
+
+class _CLIPSimilarity:
+    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
+
+    reads_prompt = True  # --preflight checks that the right prompts score higher
+    divisor = 1.0
+
+    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
+        from transformers import CLIPProcessor
+        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
+        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
+        self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        from transformers import CLIPModel
+        return CLIPModel.from_pretrained(model_id, dtype=dtype)
+
+    @torch.no_grad()
+    def cosine(self, images, prompts) -> torch.Tensor:
+        """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
+        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                              return_tensors="pt").to(self.device)
+        # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
+        img, txt = self.model.get_image_features(pixel_values=pixels), self.model.get_text_features(**text)
+        img, txt = (e if isinstance(e, torch.Tensor) else e.pooler_output for e in (img, txt))
+        return F.cosine_similarity(img.float(), txt.float(), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
+
+
+class PickScore(_CLIPSimilarity):
+    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
+    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
+
+    divisor = 26.0
+
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                 device="cpu", dtype=torch.float32):
+        super().__init__(model_id, processor_id, device, dtype)
+
+
+class CLIPScore(_CLIPSimilarity):
+    """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
+
+    divisor = 30.0
+
+    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+        super().__init__(model_id, None, device, dtype)
+
+
+# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
+# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
+_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+                 "visual.class_embedding": "vision_model.embeddings.class_embedding",
+                 "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+                 "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
+                 "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
+                 "logit_scale": "logit_scale"}
+
+
+_OPENCLIP_TOP |= {f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
+                                                       ("visual.ln_post", "vision_model.post_layernorm"),
+                                                       ("ln_final", "text_model.final_layer_norm")]
+                  for p in ("weight", "bias")}
+
+
+_OPENCLIP_BLOCK = {f"{a}.{p}": f"{b}.{p}" for a, b in [("ln_1", "layer_norm1"), ("attn.out_proj", "self_attn.out_proj"),
+                                                        ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
+                                                        ("mlp.c_proj", "mlp.fc2")] for p in ("weight", "bias")}
+
+
+_OPENCLIP_BLOCK |= {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_proj_bias": "self_attn.{}_proj.bias"}
+
+
+def openclip_to_clip(state_dict: dict) -> dict:
+    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
+    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped.
+    A key that maps to no weight, or a missing one (every block up to the highest index must be complete), raises
+    a ValueError naming it: no weight is dropped or left at random."""
+    out, names, layers = {}, set(), {"visual.": set(), "": set()}
+    for key, value in state_dict.items():
+        name = key.removeprefix("module.")
+        tower, _, rest = name.partition("transformer.resblocks.")
+        index, _, inner = rest.partition(".")
+        if name in names:
+            raise ValueError(f"open_clip state dict: key {key!r} appears twice (with and without `module.`)")
+        names.add(name)
+        if name in _OPENCLIP_TOP:
+            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
+        elif tower in layers and index.isdigit() and inner in _OPENCLIP_BLOCK:
+            layers[tower].add(int(index))
+            target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
+            for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
+                out[target.format(part)] = chunk
+        else:
+            raise ValueError(f"open_clip state dict: unexpected key {key!r}, which no CLIPModel weight matches")
+    expected = set(_OPENCLIP_TOP) | {f"{tower}transformer.resblocks.{i}.{inner}" for tower, found in layers.items()
+                                     for i in range(max(found, default=-1) + 1) for inner in _OPENCLIP_BLOCK}
+    if missing := sorted(expected - names):
+        raise ValueError(f"open_clip state dict: missing key {missing[0]!r} ({len(missing)} missing in all)")
+    return out
+
+
+class HPSv2(_CLIPSimilarity):
+    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
+    scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
+    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
+    resize runs on the float images (clip_preprocess), where the hpsv2 package resizes 8-bit PIL images (PIL
+    bicubic, then the same centre crop): the same pixels for 224 px images, up to 4e-3 (of 1) apart at 256 x 320."""
+
+    quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
+
+    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
+                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+        self.filename = filename
+        super().__init__(model_id, processor_id, device, dtype)
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        from transformers import CLIPConfig, CLIPModel
+        path = hub_file(model_id, self.filename)
+        # open_clip tensors, bare or (HPS) as {"state_dict": ...}: weights_only runs no pickled code
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        weights = openclip_to_clip(state.get("state_dict", state))
+        config = CLIPConfig.from_pretrained(processor_id)
+        if self.quick_gelu:
+            config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
+        with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
+            model = CLIPModel(config)
+        expected = set(model.state_dict())
+        if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
+            raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
+                             f"architecture of {processor_id} ({len(wrong)} keys differ)")
+        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+        for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
+            emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
+        if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+            raise RuntimeError(f"{type(self).__name__}: {meta[0]!r} was not loaded (this transformers' CLIPModel has "
+                               f"a new tensor)")
+        return model
+
+    def __call__(self, images, prompts, metadata=None):
+        return self.cosine(images, prompts)
+
+
+class CLIPScoreH(HPSv2):
+    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
+    scale, as G2RPO and MixGRPO score their CLIP reward (typical values 0.3-0.4; G2RPO trains with this 224 px
+    checkpoint, MixGRPO's script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
+    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
+    images, as HPSv2's)."""
+
+    quick_gelu = True
+
+    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
+                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+        super().__init__(model_id, filename, processor_id, device, dtype)
+        side = self.image_config["crop_size"]["height"]
+        self.image_config["size"] = {"height": side, "width": side}
+
+
+class Aesthetic:
+    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
+    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
+
+    reads_prompt = False
+
+    def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
+                 clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+        self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
+        self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
+        sizes = [self.clip.config.projection_dim, 1024, 128, 64, 16, 1]
+        self.head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
+        # the published head is Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
+        index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
+        self.head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
+        self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        embedding = self.clip(pixel_values=pixels).image_embeds.float()
+        return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
+    if len(a) < len(b):
+        a, b = b, a
+    row = list(range(len(b) + 1))  # row[j]: distance between the prefix of a read so far and b[:j]
+    for i, ca in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
+    return row[-1]
+
+
+def ocr_reward(recognised: str, prompt: str) -> float:
+    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
+    text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
+    has none. Both strings are lower-cased with every whitespace character removed (not only spaces: the lines
+    read come newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance
+    capped at len(target). An empty target scores 1 (the official code divides by 0)."""
+    target = prompt.split('"')[1] if '"' in prompt else prompt
+    target, text = ("".join(s.split()).lower() for s in (target, recognised))
+    if target in text:
+        return 1.0
+    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
+
+
+class OCRScore:
+    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
+    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
+    official PaddleOCR; its processor gets 8-bit pixels through the PIL backend, the same preprocessing with or
+    without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
+    explicitly: the checkpoint's generation config sets no end token."""
+
+    reads_prompt = True
+
+    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
+                 max_new_tokens: int = 128):
+        from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
+        self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
+        self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
+        self.model = self.model.eval().requires_grad_(False).to(device)
+        self.device, self.dtype, self.max_new_tokens = torch.device(device), dtype, max_new_tokens
+        tok = self.processor.tokenizer
+        self.stop_ids = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+                         if i is not None and i != tok.unk_token_id]
+        self.pad_id = self.stop_ids[0] if tok.pad_token_id is None else tok.pad_token_id
+        vision = self.model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid
+        self.num_image_tokens = (-(-(vision.image_size // vision.patch_size) // 4)) ** 2  # 256 for GOT-OCR 2.0
+        self.last_texts: list[str] = []
+
+    @torch.no_grad()
+    def recognise(self, images: torch.Tensor) -> list[str]:
+        """The text read in each image (N,3,H,W) in [0, 1]."""
+        inputs = self.processor(_pil_images(images), num_image_tokens=self.num_image_tokens,
+                                return_tensors="pt").to(self.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
+        self.last_texts = self.recognise(images)
+        scores = [ocr_reward(text, prompt) for text, prompt in zip(self.last_texts, prompts, strict=True)]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+class ImageRewardScore:
+    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
+    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
+    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
+
+    reads_prompt = True
+
+    def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
+        try:
+            import ImageReward
+        except ImportError as e:
+            raise UsageError(f"imagereward needs the image-reward package and transformers<4.56 ({e}); serve it from "
+                             f"an environment of its own (README, Rewards) and pass --reward "
+                             f"remote:http://HOST:PORT/imagereward") from None
+        self.model, self.device = ImageReward.load(model_id, device=str(device)), device
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, _pil_images(images))]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
+           "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
+           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
+    A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
+    out = {}
+    for part in [p.strip() for p in (spec or "").split(",")]:
+        if part.lower().startswith("remote:"):
+            head, _, last = part[len("remote:"):].rpartition("/")
+            last, _, w = last.partition(":")
+            name = f"remote:{head}/{last}"
+            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
+                raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
+                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
+        else:
+            name, _, w = part.partition(":")
+            name = name.strip().lower()
+            if name not in REWARDS or name in out:
+                raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
+                                 f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
+        try:
+            out[name] = float(w) if w else 1.0
+        except ValueError:
+            out[name] = math.nan
+        if not math.isfinite(out[name]):
+            raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
+    return list(out.items())
+
+
+REWARD_NORMS = ("sum", "per-reward")
+
+
+class WeightedReward:
+    """Several scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). __call__ returns
+    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores. Under torchrun
+    every rank scores the same number of batches, so each call also tells every rank whether a scorer failed on
+    any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
+
+    def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
+        self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
+                       else REWARDS[name](device=device)) for name, w in terms]
+        self.weights = {name: w for name, w, _ in self.terms}
+        self.device, self.norm = device, norm
+        self.calls = 0  # images scored so far
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None, batch_size: int | None = None):
+        """Scores images against prompts (and their records, `metadata`), `batch_size` images per scorer call."""
+        self.calls += len(images)
+        step = batch_size or max(len(images), 1)
+        error, chunks = None, []
+        try:
+            for i in range(0, len(images), step):
+                meta = None if metadata is None else metadata[i:i + step]
+                chunks.append({name: fn(images[i:i + step], prompts[i:i + step], meta).float().to(self.device)
+                               for name, _, fn in self.terms})
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
+            error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
+        if error:
+            raise TrainingStopped(f"the reward failed {error}", save_state=True)  # the weights are intact
+        parts = {name: torch.cat([c[name] for c in chunks]) for name in self.weights}
+        return self.total(parts), parts
+
+    def total(self, parts: dict) -> torch.Tensor:
+        return sum(w * parts[name] for name, w in self.weights.items())
+
+    def advantages(self, parts: dict, group_advantage) -> torch.Tensor:
+        """One advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS): `group_advantage` (rewards of
+        any shape -> advantages of that shape) applied to the weighted sum of `parts` (sum), or to each part and
+        then summed with the weights (per-reward)."""
+        if self.norm == "sum":
+            return group_advantage(self.total(parts))
+        return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
+
+    def means(self, parts: dict) -> dict:
+        """Each scorer's mean over every rank, for the logs: {"reward_<name>": mean}."""
+        return {f"reward_{short_reward_name(name)}": all_reduce_mean(parts[name].float().mean()).item()
+                for name in self.weights}
+
+
+def short_reward_name(name: str) -> str:
+    """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
+    return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
+
+
+def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
+    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
+    return WeightedReward(parse_reward_spec(spec), device, norm)
+
+
+# ==============================================================================================================
+# 4. Prompts
+# ==============================================================================================================
+def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
+    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line; a
+    byte-order mark is skipped) or a .jsonl file, in any case (one object a line: "prompt", optional "split":
+    "train"/"eval"; without splits every 10th record is held out). Without a path: the toy's held-out pairs
+    (train and eval) for the toy model, else assets/prompts.txt. A bad file raises a UsageError naming the file
+    and line."""
+    if path is None:
+        if model == "toy":
+            recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
+            return recs, recs
+        path = str(ASSETS / "prompts.txt")
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
+                         f".jsonl (objects with a 'prompt' key) file")
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}): save it as UTF-8") from None
+    recs = []
+    for n, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip():
+            continue
+        rec = {"prompt": ln.strip()}
+        if p.suffix.lower() == ".jsonl":
+            try:
+                rec = json.loads(ln)
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
+                rec = None
+            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
+                raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
+            if rec.get("split", "train") not in ("train", "eval"):
+                raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
+        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
+            raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
+                             f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
+        recs.append(rec)
+    if not recs:
+        raise UsageError(f"prompt file {path!r} holds no prompts")
+    if any("split" in r for r in recs):
+        train = [r for r in recs if r.get("split", "train") == "train"]
+        evals = [r for r in recs if r.get("split") == "eval"]
+        if not train:
+            raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
+                             f"without a split train too)")
+    else:
+        evals = recs[::10]
+        train = [r for i, r in enumerate(recs) if i % 10] or recs
+    return train, evals or train[:1]
+
+
+def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
+    """n records for one iteration: without replacement when the set is large enough."""
+    if n <= len(records):
+        idx = torch.randperm(len(records), generator=generator)[:n]
+    else:
+        idx = torch.randint(len(records), (n,), generator=generator)
+    return [records[i] for i in idx.tolist()]
+
+
+# ==============================================================================================================
+# PART II. THE MACHINERY: what a fork uses without reading; the README states its promises, the tests hold them
+# 5. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives
+# ==============================================================================================================
 @dataclasses.dataclass
 class Runtime:
     rank: int
@@ -450,6 +1277,10 @@ def out_of_time(t0: float, budget: float, device) -> bool:
     return budget > 0 and bool(all_ranks([time.time() - t0 >= budget], device, dist.ReduceOp.MAX)[0])
 
 
+# ==============================================================================================================
+# 6. The training loop and its guards: the flags checked, the loop around the method, the step guard,
+#    the work counters, FSDP2 sharding
+# ==============================================================================================================
 # The plumbing every trainer shares: its flags checked, the micro-batch split, and the loop around the method.
 def setup_training(args) -> Runtime:
     """Checks what the flags' own bounds (cli) do not: the model, its weights and the reward (check_model), --wandb,
@@ -470,6 +1301,36 @@ def setup_training(args) -> Runtime:
         raise UsageError("--fsdp shards full fine-tuning over torchrun processes: pass --lora-rank 0 and "
                          "launch 2+ processes (a LoRA run replicates with DDP: drop --fsdp)")
     return rt
+
+
+def check_model(name: str, path: str | None, reward: str | None = None):
+    """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
+    that is not a pipeline, a hub repository not in the cache while offline, a malformed random:N) and a --reward
+    that does not fit the model (the toy world's rewards read only its 16x16 shapes)."""
+    if reward is not None and name != "toy" and {n for n, _ in parse_reward_spec(reward)} & {"toy", "toy-soft"}:
+        raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
+                         f"another --reward")
+    if (path or "").startswith("random"):
+        random_depth(path)
+        return
+    if name == "toy":
+        root = Path(path) if path else ASSETS / "toy"
+        if not (root / "transformer").is_dir():
+            raise UsageError(f"no toy weights in {root} (transformer/): run `python tests/pretrain_toy.py --out "
+                             f"{root}` or fix --model-path")
+        return
+    repo = path or HUB_IDS[name]
+    if Path(repo).exists():
+        if not (Path(repo) / "model_index.json").is_file():
+            raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
+                             f"folder saved with save_pretrained, a hub id, or random")
+        return
+    if repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
+        raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
+        raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
+                         f"with `huggingface-cli download {repo}`, or set HF_HUB_OFFLINE=0")
 
 
 def micro_batches_per_update(n: int, micro_batch: int, updates: int,
@@ -650,397 +1511,6 @@ class TrainingLoop:
         return self.metrics
 
 
-# =============================================================================================
-# 3. Models: one small interface, so trainers never branch on the model
-# =============================================================================================
-# Each adapter holds the frozen parts (text encoders, VAE) and the `transformer` being trained, and knows:
-#   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
-#   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
-#   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
-#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
-#                                   transformer to call (the trained one, DDP-wrapped or the reference)
-#   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
-#   lora_targets, save_lora(dir, state_dict)
-# The toy adapter is in Appendix A, random-weight pipelines in Appendix B.
-MODELS = ("toy", "flux", "sd3")
-HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
-
-FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2"]
-SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
-
-
-def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
-               guidance_scale: float | None = None, max_sequence_length: int | None = None,
-               offload_encoders: bool = False):
-    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
-    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
-    the adapter's defaults."""
-    check_model(name, path)
-    if name == "toy":
-        from diffusers import FluxTransformer2DModel
-        from transformers import CLIPTextModel
-        root = Path(path) if path else ASSETS / "toy"
-        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
-    if path and path.startswith("random"):
-        pipe = random_pipeline(name, path, rt.device, rt.dtype)
-    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
-        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
-            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
-    settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-    return instrument(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
-                                  **{k: v for k, v in settings.items() if v is not None}))
-
-
-def check_model(name: str, path: str | None, reward: str | None = None):
-    """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
-    that is not a pipeline, a hub repository not in the cache while offline, a malformed random:N) and a --reward
-    that does not fit the model (the toy world's rewards read only its 16x16 shapes)."""
-    if reward is not None and name != "toy" and {n for n, _ in parse_reward_spec(reward)} & {"toy", "toy-soft"}:
-        raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
-                         f"another --reward")
-    if (path or "").startswith("random"):
-        random_depth(path)
-        return
-    if name == "toy":
-        root = Path(path) if path else ASSETS / "toy"
-        if not (root / "transformer").is_dir():
-            raise UsageError(f"no toy weights in {root} (transformer/): run `python common.py pretrain-toy --out "
-                             f"{root}` or fix --model-path")
-        return
-    repo = path or HUB_IDS[name]
-    if Path(repo).exists():
-        if not (Path(repo) / "model_index.json").is_file():
-            raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
-                             f"folder saved with save_pretrained, a hub id, or random")
-        return
-    if repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
-        raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
-    from huggingface_hub import constants, try_to_load_from_cache
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
-        raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
-                         f"with `huggingface-cli download {repo}`, or set HF_HUB_OFFLINE=0")
-
-
-def weight_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The trained transformer's weights: float32 under fp16 compute (fp16 autocast over float32 weights, with
-    loss scaling, as the official SD3.5 recipes train), else the compute dtype."""
-    return torch.float32 if dtype == torch.float16 else dtype
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """Autocast to the compute dtype on GPU; on CPU everything runs in float32."""
-    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def instrument(adapter):
-    """Counts in `adapter.counts` the rows through the transformer ("fwd" without grad, i.e. sampling;
-    "fwd_grad" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
-    on the module, so a deepcopy of the transformer (the frozen reference) counts into the same place."""
-    counts = adapter.counts = collections.Counter()
-
-    def hook(module, args, kwargs, out):
-        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
-
-    adapter.transformer.register_forward_hook(hook, with_kwargs=True)
-    decode = adapter.decode
-
-    def counted_decode(x):
-        counts["decode"] += x.shape[0]
-        return decode(x)
-
-    adapter.decode = counted_decode
-    return adapter
-
-
-def work_snapshot(adapter, reward_fn, guard) -> dict:
-    """The work counted so far: adapter.counts, images scored (reward_fn.calls), steps skipped (guard.skipped)."""
-    return {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
-
-
-def work_done(adapter, reward_fn, before: dict, guard) -> dict:
-    """The work of one iteration, since `before` (a work_snapshot): transformer rows without grad (nfe_fwd) and
-    with grad and a backward (nfe_fwd_bwd), VAE decodes, images scored, optimizer steps skipped."""
-    now = work_snapshot(adapter, reward_fn, guard)
-    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
-             "skipped_steps": "skipped_steps"}
-    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
-
-
-def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network, made before any
-    sharding (--fsdp then shards it like the trained one)."""
-    return copy.deepcopy(module).eval().requires_grad_(False)
-
-
-def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks: FLUX's double and single blocks, SD3's joint blocks (the toy's are FLUX's)."""
-    return [b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])]
-
-
-def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
-    """--fsdp: FSDP2's fully_shard on each transformer block, then on the root, over all ranks. The trained
-    weights become float32 master shards (DTensors), cast block by block as they are sharded, so no rank ever
-    holds the whole model in float32; on GPU they are gathered in the compute dtype and gradients reduced in
-    float32. The frozen reference `ref` is sharded the same way in its own dtype. Returns this rank's shards
-    of the trainable parameters."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
-        else MixedPrecisionPolicy()
-    for module in (m for m in (transformer, ref) if m is not None):
-        for block in transformer_blocks(module) + [module]:
-            if module is transformer:  # what is not sharded yet: this block, or the root's own layers
-                for q in block.parameters():
-                    if not hasattr(q, "to_local"):
-                        q.data = q.data.to(torch.float32)
-            fully_shard(block, mp_policy=mp)
-    return [q for q in transformer.parameters() if q.requires_grad]
-
-
-def cond_select(cond: dict, idx) -> dict:
-    """Rows `idx` of every batched tensor in a conditioning dict."""
-    return {k: v[idx] for k, v in cond.items()}
-
-
-def cond_repeat(cond: dict, n: int) -> dict:
-    """Each prompt's conditioning repeated n times in a row (a group of n samples per prompt, prompt-major)."""
-    return {k: repeat(v, "b ... -> (b n) ...", n=n) for k, v in cond.items()}
-
-
-class FluxFamilyAdapter:
-    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
-
-    transformer: torch.nn.Module
-    guidance_scale: float | None = None
-
-    def velocity(self, net, x, t, cond):
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
-        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
-            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t, guidance=guidance,
-                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
-        return out.float()
-
-
-class PipelineAdapter:
-    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
-    the transformer (or its LoRA) trainable."""
-
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
-                 offload_encoders: bool):
-        _freeze_pipeline(pipe, device, dtype, offload_encoders)
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
-        self.offload_encoders = offload_encoders
-
-    @contextlib.contextmanager
-    def encoders_on_device(self):
-        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
-        9.5 GB in bf16)."""
-        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
-        for m in encoders if self.offload_encoders else []:
-            m.to(self.device)
-        try:
-            yield
-        finally:
-            for m in encoders if self.offload_encoders else []:
-                m.to("cpu")
-
-    def vae_decode(self, latents):
-        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
-        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
-        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
-
-
-def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
-    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
-    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            offload = offload_encoders and name.startswith("text_encoder")
-            module.requires_grad_(False).eval().to("cpu" if offload else device)
-            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
-            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
-                module.to(dtype=want)
-
-
-class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
-    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
-
-    lora_targets = FLUX_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
-                 max_sequence_length: int = 512, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor
-        if resolution % (2 * f) or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
-        self.h = 2 * (resolution // (2 * f))  # latent side before packing
-        self.channels = self.transformer.config.in_channels // 4
-        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
-        self.txt_ids = None
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
-                                                                   max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    def noise(self, n, generator=None):
-        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
-        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
-
-    def sigmas(self, num_steps):
-        c = self.pipe.scheduler.config
-        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
-                           c.max_shift)
-
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
-                                                         self.pipe.vae_scale_factor))
-
-
-class SD3Adapter(PipelineAdapter):
-    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
-    pipeline does), static shift 3, timesteps 1000 t."""
-
-    lora_targets = SD3_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
-                 max_sequence_length: int = 128, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if resolution % f or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
-        self.h = resolution // pipe.vae_scale_factor
-        self.channels = self.transformer.config.in_channels
-        self.negative = None
-
-    def _encode(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            if self.negative is None and self.guidance_scale > 1:
-                self.negative = self._encode([""])
-            return self._encode(prompts)
-
-    def noise(self, n, generator=None):
-        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
-
-    def sigmas(self, num_steps):
-        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
-
-    def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
-        cfg = self.guidance_scale > 1
-        if cfg:  # [uncond, cond] in one batch, like the pipeline
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
-            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
-        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
-            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t * 1000, encoder_hidden_states=embeds,
-                      pooled_projections=pooled, return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
-
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(x.float())
-
-
-# The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
-def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
-    """Freezes the transformer and adds a peft LoRA (diffusers' integration, so the adapter can be disabled
-    for the reference policy and saved in diffusers' format). rank 0 = full fine-tuning. Returns the
-    trainable parameters (kept in float32 master precision)."""
-    if rank <= 0:
-        transformer.requires_grad_(True)
-        return list(transformer.parameters())
-    from peft import LoraConfig
-    transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    return params
-
-
-@contextlib.contextmanager
-def lora_disabled(transformer: torch.nn.Module):
-    """The reference policy under LoRA: the same network with its adapter switched off."""
-    transformer.disable_adapters()
-    try:
-        yield transformer
-    finally:
-        transformer.enable_adapters()
-
-
-class EMA:
-    """Exponential moving average of the trainable parameters, the official GRPO trainers' schedule: after
-    optimizer step n (counting from 1), if (n + 1) is a multiple of `every`, shadow <- decay shadow + (1 - decay)
-    theta with decay = min((1 + n) / (10 + n), max_decay), a warm-up counted in optimizer steps."""
-
-    def __init__(self, params, max_decay: float = 0.9, every: int = 8):
-        self.params, self.max_decay, self.every = list(params), max_decay, every
-        self.shadow = [p.detach().clone() for p in self.params]
-        self.num_updates = 0
-
-    @torch.no_grad()
-    def step(self, optimizer_step: int):
-        if (optimizer_step + 1) % self.every:
-            return
-        decay = min((1 + optimizer_step) / (10 + optimizer_step), self.max_decay)
-        for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - decay)
-        self.num_updates += 1
-
-    @contextlib.contextmanager
-    def swapped_in(self):
-        """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
-        backup = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
-
-    def state_dict(self):
-        return {"shadow": self.shadow, "num_updates": self.num_updates}
-
-    def load_state_dict(self, sd):
-        for s, v in zip(self.shadow, sd["shadow"]):
-            s.copy_(v)
-        self.num_updates = sd["num_updates"]
-
-
 def finite(tensors: list[torch.Tensor], device) -> bool:
     """True if every tensor on every rank holds only finite numbers (of an FSDP2 DTensor: this rank's shard)."""
     flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
@@ -1100,779 +1570,68 @@ class StepGuard:
         return stepped, norm.item()
 
 
-# =============================================================================================
-# 4. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32.
-#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None.
-# =============================================================================================
-class ToyReward:
-    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
-
-    reads_prompt = True
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts, metadata=None):
-        return toy_reward(images, prompts).to(self.device)
-
-
-class ToySoftReward(ToyReward):
-    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
-
-    def __call__(self, images, prompts, metadata=None):
-        return toy_soft_reward(images, prompts).to(self.device)
-
-
-class JpegCompressibility:
-    """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
-
-    reads_prompt = False
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts, metadata=None):
-        sizes = []
-        for im in _pil_images(images):
-            buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=95)
-            sizes.append(-buf.tell() / 1000)
-        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
-
-
-def _pil_images(images: torch.Tensor) -> list:
-    """(N,3,H,W) in [0, 1] -> N 8-bit RGB PIL images."""
-    from PIL import Image
-    return [Image.fromarray(a) for a in _to_uint8(images).permute(0, 2, 3, 1).numpy()]
-
-
-def hub_file(repo_or_folder: str, filename: str) -> str:
-    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
-    if Path(repo_or_folder).is_dir():
-        return str(Path(repo_or_folder) / filename)
-    from huggingface_hub import hf_hub_download
-    return hf_hub_download(repo_or_folder, filename)
-
-
-def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
-    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
-    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
-    as transformers), normalise by image_mean / image_std."""
-    x, size, crop = images.float(), config["size"], config["crop_size"]
-    if size.get("height") is not None:
-        size = (size["height"], size["width"])
-    else:
-        s, (h, w) = size["shortest_edge"], x.shape[-2:]
-        size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
-    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
-    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
-    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
-    return (x - mean) / std
-
-
-class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
-
-    reads_prompt = True  # --preflight checks that the right prompts score higher
-    divisor = 1.0
-
-    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
-        from transformers import CLIPProcessor
-        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
-        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
-        self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
-        self.device, self.dtype = torch.device(device), dtype
-        self.max_length = self.model.config.text_config.max_position_embeddings
-
-    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
-        from transformers import CLIPModel
-        return CLIPModel.from_pretrained(model_id, dtype=dtype)
-
-    @torch.no_grad()
-    def cosine(self, images, prompts) -> torch.Tensor:
-        """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
-        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
-                              return_tensors="pt").to(self.device)
-        # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
-        img, txt = self.model.get_image_features(pixel_values=pixels), self.model.get_text_features(**text)
-        img, txt = (e if isinstance(e, torch.Tensor) else e.pooler_output for e in (img, txt))
-        return F.cosine_similarity(img.float(), txt.float(), dim=-1)
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
-
-
-class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
-    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
-
-    divisor = 26.0
-
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                 device="cpu", dtype=torch.float32):
-        super().__init__(model_id, processor_id, device, dtype)
-
-
-class CLIPScore(_CLIPSimilarity):
-    """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
-
-    divisor = 30.0
-
-    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
-        super().__init__(model_id, None, device, dtype)
-
-
-# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
-# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
-_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
-                 "visual.class_embedding": "vision_model.embeddings.class_embedding",
-                 "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
-                 "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
-                 "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
-                 "logit_scale": "logit_scale"}
-_OPENCLIP_TOP |= {f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
-                                                       ("visual.ln_post", "vision_model.post_layernorm"),
-                                                       ("ln_final", "text_model.final_layer_norm")]
-                  for p in ("weight", "bias")}
-_OPENCLIP_BLOCK = {f"{a}.{p}": f"{b}.{p}" for a, b in [("ln_1", "layer_norm1"), ("attn.out_proj", "self_attn.out_proj"),
-                                                        ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
-                                                        ("mlp.c_proj", "mlp.fc2")] for p in ("weight", "bias")}
-_OPENCLIP_BLOCK |= {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_proj_bias": "self_attn.{}_proj.bias"}
-
-
-def openclip_to_clip(state_dict: dict) -> dict:
-    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
-    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped.
-    A key that maps to no weight, or a missing one (every block up to the highest index must be complete), raises
-    a ValueError naming it: no weight is dropped or left at random."""
-    out, names, layers = {}, set(), {"visual.": set(), "": set()}
-    for key, value in state_dict.items():
-        name = key.removeprefix("module.")
-        tower, _, rest = name.partition("transformer.resblocks.")
-        index, _, inner = rest.partition(".")
-        if name in names:
-            raise ValueError(f"open_clip state dict: key {key!r} appears twice (with and without `module.`)")
-        names.add(name)
-        if name in _OPENCLIP_TOP:
-            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
-        elif tower in layers and index.isdigit() and inner in _OPENCLIP_BLOCK:
-            layers[tower].add(int(index))
-            target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
-            for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
-                out[target.format(part)] = chunk
-        else:
-            raise ValueError(f"open_clip state dict: unexpected key {key!r}, which no CLIPModel weight matches")
-    expected = set(_OPENCLIP_TOP) | {f"{tower}transformer.resblocks.{i}.{inner}" for tower, found in layers.items()
-                                     for i in range(max(found, default=-1) + 1) for inner in _OPENCLIP_BLOCK}
-    if missing := sorted(expected - names):
-        raise ValueError(f"open_clip state dict: missing key {missing[0]!r} ({len(missing)} missing in all)")
-    return out
-
-
-class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
-    scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
-    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
-    resize runs on the float images (clip_preprocess), where the hpsv2 package resizes 8-bit PIL images (PIL
-    bicubic, then the same centre crop): the same pixels for 224 px images, up to 4e-3 (of 1) apart at 256 x 320."""
-
-    quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
-
-    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
-        self.filename = filename
-        super().__init__(model_id, processor_id, device, dtype)
-
-    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
-        from transformers import CLIPConfig, CLIPModel
-        path = hub_file(model_id, self.filename)
-        # open_clip tensors, bare or (HPS) as {"state_dict": ...}: weights_only runs no pickled code
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        weights = openclip_to_clip(state.get("state_dict", state))
-        config = CLIPConfig.from_pretrained(processor_id)
-        if self.quick_gelu:
-            config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
-        with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
-            model = CLIPModel(config)
-        expected = set(model.state_dict())
-        if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
-            raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
-                             f"architecture of {processor_id} ({len(wrong)} keys differ)")
-        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-        for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
-            emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
-        if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
-            raise RuntimeError(f"{type(self).__name__}: {meta[0]!r} was not loaded (this transformers' CLIPModel has "
-                               f"a new tensor)")
-        return model
-
-    def __call__(self, images, prompts, metadata=None):
-        return self.cosine(images, prompts)
-
-
-class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
-    scale, as G2RPO and MixGRPO score their CLIP reward (typical values 0.3-0.4; G2RPO trains with this 224 px
-    checkpoint, MixGRPO's script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
-    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
-    images, as HPSv2's)."""
-
-    quick_gelu = True
-
-    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
-        super().__init__(model_id, filename, processor_id, device, dtype)
-        side = self.image_config["crop_size"]["height"]
-        self.image_config["size"] = {"height": side, "width": side}
-
-
-class Aesthetic:
-    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
-    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
-
-    reads_prompt = False
-
-    def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
-                 clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
-        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
-        self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
-        self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
-        sizes = [self.clip.config.projection_dim, 1024, 128, 64, 16, 1]
-        self.head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
-        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
-        # the published head is Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
-        index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
-        self.head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
-        self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
-        self.device, self.dtype = torch.device(device), dtype
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
-        embedding = self.clip(pixel_values=pixels).image_embeds.float()
-        return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
-    if len(a) < len(b):
-        a, b = b, a
-    row = list(range(len(b) + 1))  # row[j]: distance between the prefix of a read so far and b[:j]
-    for i, ca in enumerate(a, 1):
-        diagonal, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
-    return row[-1]
-
-
-def ocr_reward(recognised: str, prompt: str) -> float:
-    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
-    text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
-    has none. Both strings are lower-cased with every whitespace character removed (not only spaces: the lines
-    read come newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance
-    capped at len(target). An empty target scores 1 (the official code divides by 0)."""
-    target = prompt.split('"')[1] if '"' in prompt else prompt
-    target, text = ("".join(s.split()).lower() for s in (target, recognised))
-    if target in text:
-        return 1.0
-    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
-
-
-class OCRScore:
-    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
-    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
-    official PaddleOCR; its processor gets 8-bit pixels through the PIL backend, the same preprocessing with or
-    without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
-    explicitly: the checkpoint's generation config sets no end token."""
-
-    reads_prompt = True
-
-    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
-                 max_new_tokens: int = 128):
-        from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
-        self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
-        self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
-        self.model = self.model.eval().requires_grad_(False).to(device)
-        self.device, self.dtype, self.max_new_tokens = torch.device(device), dtype, max_new_tokens
-        tok = self.processor.tokenizer
-        self.stop_ids = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-                         if i is not None and i != tok.unk_token_id]
-        self.pad_id = self.stop_ids[0] if tok.pad_token_id is None else tok.pad_token_id
-        vision = self.model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid
-        self.num_image_tokens = (-(-(vision.image_size // vision.patch_size) // 4)) ** 2  # 256 for GOT-OCR 2.0
-        self.last_texts: list[str] = []
-
-    @torch.no_grad()
-    def recognise(self, images: torch.Tensor) -> list[str]:
-        """The text read in each image (N,3,H,W) in [0, 1]."""
-        inputs = self.processor(_pil_images(images), num_image_tokens=self.num_image_tokens,
-                                return_tensors="pt").to(self.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
-        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-        self.last_texts = self.recognise(images)
-        scores = [ocr_reward(text, prompt) for text, prompt in zip(self.last_texts, prompts, strict=True)]
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
-
-
-class ImageRewardScore:
-    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
-    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
-    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
-
-    reads_prompt = True
-
-    def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
-        try:
-            import ImageReward
-        except ImportError as e:
-            raise UsageError(f"imagereward needs the image-reward package and transformers<4.56 ({e}); serve it from "
-                             f"an environment of its own (README, Rewards) and pass --reward "
-                             f"remote:http://HOST:PORT/imagereward") from None
-        self.model, self.device = ImageReward.load(model_id, device=str(device)), device
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, _pil_images(images))]
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
-
-
-REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
-           "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
-           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
-
-
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
-    A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
-    out = {}
-    for part in [p.strip() for p in (spec or "").split(",")]:
-        if part.lower().startswith("remote:"):
-            head, _, last = part[len("remote:"):].rpartition("/")
-            last, _, w = last.partition(":")
-            name = f"remote:{head}/{last}"
-            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
-                raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
-                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
-        else:
-            name, _, w = part.partition(":")
-            name = name.strip().lower()
-            if name not in REWARDS or name in out:
-                raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
-                                 f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
-        try:
-            out[name] = float(w) if w else 1.0
-        except ValueError:
-            out[name] = math.nan
-        if not math.isfinite(out[name]):
-            raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
-    return list(out.items())
-
-
-class RemoteReward:
-    """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
-    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A request
-    has `timeout` seconds in all (connecting, waiting, reading). One that fails (no answer, past the deadline, HTTP
-    5xx, a reply cut short or not JSON) is retried `retries` times with doubling waits, then the run stops naming the
-    URL; HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once: never a silent
-    zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
-
-    reads_prompt = True  # assumed: the protocol does not say
-
-    def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
-        self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
-
-    def __call__(self, images, prompts, metadata=None):
-        import base64
-        import http.client
-        import urllib.request
-        encoded = []
-        for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            np.save(buf, im)
-            encoded.append(base64.b64encode(buf.getvalue()).decode())
-        body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
-                           "images": encoded}).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
-        with interruptible():
-            for attempt in range(self.retries + 1):
-                raw = b""
-                try:
-                    status, raw = _post(request, self.timeout)
-                    if status < 400:
-                        reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
-                        break
-                    failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
-                    if status < 500:  # the request itself is wrong: retrying cannot help
-                        raise TrainingStopped(f"reward server {self.url} {failure}")
-                except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
-                    failure = f"did not answer ({type(e).__name__}: {e})"
-                except ValueError:  # not UTF-8 or not JSON
-                    failure = f"sent {raw[:200].decode(errors='replace')!r}"
-                if attempt == self.retries:
-                    raise TrainingStopped(f"reward server {self.url} {failure} ({attempt + 1} tries, a "
-                                          f"{self.timeout:g} s deadline each); expected {expected}: check that it "
-                                          f"runs (python common.py serve-reward) at the URL in --reward")
-                time.sleep(self.backoff * 2 ** attempt)
-        scores = reply.get("scores") if isinstance(reply, dict) else None
-        ok = isinstance(scores, list) and len(scores) == len(encoded) and all(type(x) is float for x in scores)
-        scores = torch.tensor(scores if ok else [], dtype=torch.float32)
-        if not ok or not torch.isfinite(scores).all():  # after the cast: 1e39 is inf in float32
-            raise TrainingStopped(f"reward server {self.url} sent {raw[:200].decode(errors='replace')!r} for "
-                                  f"{len(encoded)} images: expected {expected}")
-        return scores.to(self.device)
-
-
-def _post(request, timeout: float) -> tuple[int, bytes]:
-    """Sends a urllib request and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
-    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read.
-    The request runs in a daemon thread, abandoned if it overruns."""
-    import urllib.error
-    import urllib.request
-    box = []
-
-    def fetch():
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                box.append((reply.status, reply.read()))
-        except urllib.error.HTTPError as e:
-            box.append((e.code, e.read()))
-        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
-            box.append(e)
-    worker = threading.Thread(target=fetch, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not box:
-        raise TimeoutError(f"no complete reply within {timeout:g} s")
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
-
-
-def serve_reward(argv=None):
-    """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
-    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
-    batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
-    error 500; a client that stalls for --timeout seconds is dropped, one that leaves early is one line on stderr."""
-    import base64
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
-    ap.add_argument("--reward", required=True, choices=list(REWARDS))
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may stall before it is dropped")
-    a = ap.parse_args(argv)
-
-    def refuse(message: str):
-        ap.exit(2, f"{ap.prog}: error: {message}\n")
-    if not 0 <= a.port <= 65535:
-        refuse(f"--port {a.port} must be between 0 and 65535")
-    scorer, lock = None, threading.Lock()  # one batch at a time on the model
-
-    def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
-        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata; a ValueError says what is wrong."""
-        batch = json.loads(raw)
-        images, prompts, metadata = (batch.get(k) if isinstance(batch, dict) else None
-                                     for k in ("images", "prompts", "metadata"))
-        if not (isinstance(images, list) and images and isinstance(prompts, list) and len(prompts) == len(images)
-                and all(isinstance(p, str) for p in prompts)
-                and (metadata is None or isinstance(metadata, list) and len(metadata) == len(images))):
-            raise ValueError('expected {"images": [1 or more], "prompts": [a string per image], "metadata": null '
-                             'or [one per image]}')
-        arrays = [np.load(io.BytesIO(base64.b64decode(x, validate=True)), allow_pickle=False) for x in images]
-        if not all(x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3 and x.shape == arrays[0].shape
-                   for x in arrays):
-            raise ValueError(f"images must be .npy uint8 arrays (H, W, 3) of one size, not "
-                             f"{sorted({f'{x.dtype} {x.shape}' for x in arrays})}")
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = a.timeout
-
-        def do_POST(self):
-            if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
-                return self._send(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
-            size = self.headers.get("Content-Length", "")
-            if not size.isdigit():
-                return self._send(411, {"error": "send a Content-Length"})
-            if int(size) > a.max_request_mb * 2**20:
-                return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
-            raw = self.rfile.read(int(size))
-            try:
-                batch = decode(raw)
-            except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error
-                return self._send(400, {"error": f"{type(e).__name__}: {e}"})
-            try:
-                with lock, torch.no_grad():
-                    scores = scorer(*batch).float().tolist()
-            except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
-                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
-            self._send(200, {"scores": scores})
-
-        def _send(self, code, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    class Server(ThreadingHTTPServer):
-        def handle_error(self, request, client_address):  # a client that stalled or left: one line
-            print(f"dropped a request from {client_address[0]}: {sys.exc_info()[1]!r}", file=sys.stderr, flush=True)
-
-    try:
-        server = Server((a.host, a.port), Handler)
-    except OSError as e:
-        refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
-    try:
-        scorer = REWARDS[a.reward](device=a.device)
-    except UsageError as e:
-        refuse(str(e))
-    print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
-    server.serve_forever()
-
-
-REWARD_NORMS = ("sum", "per-reward")
-
-
-class WeightedReward:
-    """Several scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). __call__ returns
-    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores. Under torchrun
-    every rank scores the same number of batches, so each call also tells every rank whether a scorer failed on
-    any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
-
-    def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
-        self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
-                       else REWARDS[name](device=device)) for name, w in terms]
-        self.weights = {name: w for name, w, _ in self.terms}
-        self.device, self.norm = device, norm
-        self.calls = 0  # images scored so far
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None, batch_size: int | None = None):
-        """Scores images against prompts (and their records, `metadata`), `batch_size` images per scorer call."""
-        self.calls += len(images)
-        step = batch_size or max(len(images), 1)
-        error, chunks = None, []
-        try:
-            for i in range(0, len(images), step):
-                meta = None if metadata is None else metadata[i:i + step]
-                chunks.append({name: fn(images[i:i + step], prompts[i:i + step], meta).float().to(self.device)
-                               for name, _, fn in self.terms})
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
-            error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
-        if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
-        if error:
-            raise TrainingStopped(f"the reward failed {error}", save_state=True)  # the weights are intact
-        parts = {name: torch.cat([c[name] for c in chunks]) for name in self.weights}
-        return self.total(parts), parts
-
-    def total(self, parts: dict) -> torch.Tensor:
-        return sum(w * parts[name] for name, w in self.weights.items())
-
-    def advantages(self, parts: dict, group_advantage) -> torch.Tensor:
-        """One advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS): `group_advantage` (rewards of
-        any shape -> advantages of that shape) applied to the weighted sum of `parts` (sum), or to each part and
-        then summed with the weights (per-reward)."""
-        if self.norm == "sum":
-            return group_advantage(self.total(parts))
-        return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
-
-    def means(self, parts: dict) -> dict:
-        """Each scorer's mean over every rank, for the logs: {"reward_<name>": mean}."""
-        return {f"reward_{short_reward_name(name)}": all_reduce_mean(parts[name].float().mean()).item()
-                for name in self.weights}
-
-
-def short_reward_name(name: str) -> str:
-    """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
-    return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
-
-
-def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
-    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
-    return WeightedReward(parse_reward_spec(spec), device, norm)
-
-
-# =============================================================================================
-# 5. Prompts
-# =============================================================================================
-def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line; a
-    byte-order mark is skipped) or a .jsonl file, in any case (one object a line: "prompt", optional "split":
-    "train"/"eval"; without splits every 10th record is held out). Without a path: the toy's held-out pairs
-    (train and eval) for the toy model, else assets/prompts.txt. A bad file raises a UsageError naming the file
-    and line."""
-    if path is None:
-        if model == "toy":
-            recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
-            return recs, recs
-        path = str(ASSETS / "prompts.txt")
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
-                         f".jsonl (objects with a 'prompt' key) file")
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                         f"{e.start}): save it as UTF-8") from None
-    recs = []
-    for n, ln in enumerate(text.splitlines(), 1):
-        if not ln.strip():
-            continue
-        rec = {"prompt": ln.strip()}
-        if p.suffix.lower() == ".jsonl":
-            try:
-                rec = json.loads(ln)
-            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-                rec = None
-            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
-                raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
-            if rec.get("split", "train") not in ("train", "eval"):
-                raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
-        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
-            raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
-                             f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
-        recs.append(rec)
-    if not recs:
-        raise UsageError(f"prompt file {path!r} holds no prompts")
-    if any("split" in r for r in recs):
-        train = [r for r in recs if r.get("split", "train") == "train"]
-        evals = [r for r in recs if r.get("split") == "eval"]
-        if not train:
-            raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
-                             f"without a split train too)")
-    else:
-        evals = recs[::10]
-        train = [r for i, r in enumerate(recs) if i % 10] or recs
-    return train, evals or train[:1]
-
-
-def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
-    """n records for one iteration: without replacement when the set is large enough."""
-    if n <= len(records):
-        idx = torch.randperm(len(records), generator=generator)[:n]
-    else:
-        idx = torch.randint(len(records), (n,), generator=generator)
-    return [records[i] for i in idx.tolist()]
-
-
-# =============================================================================================
-# 6. Logging and checkpoints
-# =============================================================================================
-class Logger:
-    """Main process only: one JSON line per iteration appended to metrics.jsonl (NaN and inf written as null),
-    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings). A resumed run logs
-    again from its checkpoint's iteration, after a marker line (prepare_run): a reader takes the last line of each
-    iteration and skips lines without one."""
-
-    def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
-        self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
-        self.path = self.run_dir / "metrics.jsonl"
-        if is_main and wandb_config is not None:
-            import wandb
-            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=self.run_dir.name)
-
-    def log(self, metrics: dict):
-        if not self.is_main:
-            return
-        metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
-                   for k, v in metrics.items()}
-        append_line(self.path, metrics)
-        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "skipped_steps", "time_s"]
-        from tqdm import tqdm
-        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
-                                                                if isinstance(metrics.get(k), (int, float))))
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
-
-
-def append_line(path: Path, record: dict):
-    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline. A
-    write that fails (a full disk) is undone, so the file never ends in half a line, and stops the run."""
-    line = json.dumps(record, allow_nan=False).encode() + b"\n"
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        end = os.lseek(fd, 0, os.SEEK_END)
-        if end and os.pread(fd, 1, end - 1) != b"\n":
-            line = b"\n" + line
-        try:
-            while line:
-                line = line[os.write(fd, line):]
-        except OSError as e:
-            os.ftruncate(fd, end)
-            raise write_failed(path, e) from None
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: str | bytes):
-    """Writes `path` complete or not at all (a temporary file renamed into place); a failure stops the run."""
-    tmp = Path(f"{path}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise write_failed(path, e) from None
-
-
-def write_failed(path: Path, e: OSError) -> TrainingStopped:
-    return TrainingStopped(f"could not write {path} ({e.strerror or e}): free disk space, then --resume the run from "
-                           f"its last checkpoint (evaluate: run it again)")
-
-
-def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
-    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]), in tiles 128-256
-    px high. With `groups` (titles), each row splits into that many equal groups, e.g. two models side by side."""
-    import textwrap
-
-    from PIL import Image, ImageDraw, ImageFont
-    if not rows:
-        return
-    h, w = rows[0][1].shape[-2:]
-    th = h * max(1, 128 // h) if h < 128 else min(h, 256)       # tile size
-    tw, pad, label_w, top = round(w * th / h), 4, 200, 20 if groups else 0
-    cols = max(len(images) for _, images in rows)
-    per_group = math.ceil(cols / len(groups)) if groups else cols
-
-    def x_of(c):  # a column's left edge: a wider gap between groups
-        return label_w + pad + c * (tw + pad) + (c // per_group) * 4 * pad
-
-    canvas = Image.new("RGB", (x_of(cols - 1) + tw + pad, top + len(rows) * (th + pad) + pad), "white")
-    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
-    for g, title in enumerate(groups or []):
-        draw.text((x_of(g * per_group), 4), title, fill="black", font=font)
-    for r, (prompt, images) in enumerate(rows):
-        y = top + r * (th + pad) + pad
-        draw.multiline_text((pad, y), "\n".join(textwrap.wrap(prompt, 32)[:th // 12]), fill="black", font=font)
-        for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
-            resample = Image.NEAREST if th >= h else Image.BICUBIC
-            canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
-    buf = io.BytesIO()
-    canvas.save(buf, format="PNG")
-    write_atomic(path, buf.getvalue())
-
-
+def instrument(adapter):
+    """Counts in `adapter.counts` the rows through the transformer ("fwd" without grad, i.e. sampling;
+    "fwd_grad" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
+    on the module, so a deepcopy of the transformer (the frozen reference) counts into the same place."""
+    counts = adapter.counts = collections.Counter()
+
+    def hook(module, args, kwargs, out):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
+
+    adapter.transformer.register_forward_hook(hook, with_kwargs=True)
+    decode = adapter.decode
+
+    def counted_decode(x):
+        counts["decode"] += x.shape[0]
+        return decode(x)
+
+    adapter.decode = counted_decode
+    return adapter
+
+
+def work_snapshot(adapter, reward_fn, guard) -> dict:
+    """The work counted so far: adapter.counts, images scored (reward_fn.calls), steps skipped (guard.skipped)."""
+    return {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
+
+
+def work_done(adapter, reward_fn, before: dict, guard) -> dict:
+    """The work of one iteration, since `before` (a work_snapshot): transformer rows without grad (nfe_fwd) and
+    with grad and a backward (nfe_fwd_bwd), VAE decodes, images scored, optimizer steps skipped."""
+    now = work_snapshot(adapter, reward_fn, guard)
+    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
+             "skipped_steps": "skipped_steps"}
+    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
+
+
+def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: FLUX's double and single blocks, SD3's joint blocks (the toy's are FLUX's)."""
+    return [b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])]
+
+
+def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
+    """--fsdp: FSDP2's fully_shard on each transformer block, then on the root, over all ranks. The trained
+    weights become float32 master shards (DTensors), cast block by block as they are sharded, so no rank ever
+    holds the whole model in float32; on GPU they are gathered in the compute dtype and gradients reduced in
+    float32. The frozen reference `ref` is sharded the same way in its own dtype. Returns this rank's shards
+    of the trainable parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for module in (m for m in (transformer, ref) if m is not None):
+        for block in transformer_blocks(module) + [module]:
+            if module is transformer:  # what is not sharded yet: this block, or the root's own layers
+                for q in block.parameters():
+                    if not hasattr(q, "to_local"):
+                        q.data = q.data.to(torch.float32)
+            fully_shard(block, mp_policy=mp)
+    return [q for q in transformer.parameters() if q.requires_grad]
+
+
+# ==============================================================================================================
+# 7. Run folders and checkpoints
+# ==============================================================================================================
 @dataclasses.dataclass
 class Run:
     """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start) and its iteration."""
@@ -2187,9 +1946,110 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     return state["elapsed"]
 
 
-# =============================================================================================
-# 7. Evaluation
-# =============================================================================================
+# ==============================================================================================================
+# 8. Logging and labelled image grids
+# ==============================================================================================================
+class Logger:
+    """Main process only: one JSON line per iteration appended to metrics.jsonl (NaN and inf written as null),
+    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings). A resumed run logs
+    again from its checkpoint's iteration, after a marker line (prepare_run): a reader takes the last line of each
+    iteration and skips lines without one."""
+
+    def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
+        self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
+        self.path = self.run_dir / "metrics.jsonl"
+        if is_main and wandb_config is not None:
+            import wandb
+            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=self.run_dir.name)
+
+    def log(self, metrics: dict):
+        if not self.is_main:
+            return
+        metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
+                   for k, v in metrics.items()}
+        append_line(self.path, metrics)
+        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "skipped_steps", "time_s"]
+        from tqdm import tqdm
+        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
+                                                                if isinstance(metrics.get(k), (int, float))))
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
+
+def append_line(path: Path, record: dict):
+    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline. A
+    write that fails (a full disk) is undone, so the file never ends in half a line, and stops the run."""
+    line = json.dumps(record, allow_nan=False).encode() + b"\n"
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            line = b"\n" + line
+        try:
+            while line:
+                line = line[os.write(fd, line):]
+        except OSError as e:
+            os.ftruncate(fd, end)
+            raise write_failed(path, e) from None
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: str | bytes):
+    """Writes `path` complete or not at all (a temporary file renamed into place); a failure stops the run."""
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, e) from None
+
+
+def write_failed(path: Path, e: OSError) -> TrainingStopped:
+    return TrainingStopped(f"could not write {path} ({e.strerror or e}): free disk space, then --resume the run from "
+                           f"its last checkpoint (evaluate: run it again)")
+
+
+def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
+    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]), in tiles 128-256
+    px high. With `groups` (titles), each row splits into that many equal groups, e.g. two models side by side."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+    if not rows:
+        return
+    h, w = rows[0][1].shape[-2:]
+    th = h * max(1, 128 // h) if h < 128 else min(h, 256)       # tile size
+    tw, pad, label_w, top = round(w * th / h), 4, 200, 20 if groups else 0
+    cols = max(len(images) for _, images in rows)
+    per_group = math.ceil(cols / len(groups)) if groups else cols
+
+    def x_of(c):  # a column's left edge: a wider gap between groups
+        return label_w + pad + c * (tw + pad) + (c // per_group) * 4 * pad
+
+    canvas = Image.new("RGB", (x_of(cols - 1) + tw + pad, top + len(rows) * (th + pad) + pad), "white")
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    for g, title in enumerate(groups or []):
+        draw.text((x_of(g * per_group), 4), title, fill="black", font=font)
+    for r, (prompt, images) in enumerate(rows):
+        y = top + r * (th + pad) + pad
+        draw.multiline_text((pad, y), "\n".join(textwrap.wrap(prompt, 32)[:th // 12]), fill="black", font=font)
+        for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
+            resample = Image.NEAREST if th >= h else Image.BICUBIC
+            canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG")
+    write_atomic(path, buf.getvalue())
+
+
+def _to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return (images.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+# ==============================================================================================================
+# 9. Evaluation, also from the command line (`python common.py evaluate`)
+# ==============================================================================================================
 @torch.no_grad()
 def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     """Deterministic Euler sampler over the grid `sigmas`: the evaluation path (noise level 0)."""
@@ -2243,10 +2103,6 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     rows = [(records[r]["prompt"], torch.stack([kept[j] for j in sorted(kept) if j % P == r]).float() / 255)
             for r in range(min(P, max_rows)) if any(j % P == r for j in kept)]
     return out, rows
-
-
-def _to_uint8(images: torch.Tensor) -> torch.Tensor:
-    return (images.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
@@ -2396,13 +2252,19 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
                          f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
 
 
-# =============================================================================================
-# 8. Preflight (--preflight): the run's set-up, one measured iteration of its own code and the whole run's cost,
-#    checked before a long run. Rows are (check, value, expected, status, advice); advice is said for a FAIL.
-# =============================================================================================
+# ==============================================================================================================
+# 10. Preflight (--preflight): the run's set-up, one measured iteration of its own code and the whole run's cost,
+#     checked before a long run. Rows are (check, value, expected, status, advice); advice is said for a FAIL.
+# ==============================================================================================================
 PREFLIGHT_IMAGES = 16          # evaluation images per rank: one batch of `evaluate`
+
+
 PROMPT_SE = 2.0                # right prompts must beat shifted ones by this many standard errors
+
+
 ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # first-update |ratio - 1| and KL; GPU: the smallest --clip-range
+
+
 BASE_RANGES = {"pickscore": (0.81, 0.90), "hpsv2": (0.24, 0.32), "aesthetic": (4.8, 6.2),  # base-model means
                "imagereward": (0.3, 1.3), "toy": (0.6, 1.0)}                             # (README, Preflight)
 
@@ -2628,18 +2490,203 @@ def preflight_table(rows: list[tuple]) -> str:
     return "\n".join(out + [f"FAIL {c}: {advice}" for c, _, _, s, advice in rows if s == "FAIL"])
 
 
-# =============================================================================================
+# ==============================================================================================================
+# 11. Remote scorers and the reward server (`python common.py serve-reward`)
+# ==============================================================================================================
+class RemoteReward:
+    """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A request
+    has `timeout` seconds in all (connecting, waiting, reading). One that fails (no answer, past the deadline, HTTP
+    5xx, a reply cut short or not JSON) is retried `retries` times with doubling waits, then the run stops naming the
+    URL; HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once: never a silent
+    zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
+
+    reads_prompt = True  # assumed: the protocol does not say
+
+    def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
+        self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
+
+    def __call__(self, images, prompts, metadata=None):
+        import base64
+        import http.client
+        import urllib.request
+        encoded = []
+        for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
+            buf = io.BytesIO()
+            np.save(buf, im)
+            encoded.append(base64.b64encode(buf.getvalue()).decode())
+        body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
+                           "images": encoded}).encode()
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
+        with interruptible():
+            for attempt in range(self.retries + 1):
+                raw = b""
+                try:
+                    status, raw = _post(request, self.timeout)
+                    if status < 400:
+                        reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
+                        break
+                    failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
+                    if status < 500:  # the request itself is wrong: retrying cannot help
+                        raise TrainingStopped(f"reward server {self.url} {failure}")
+                except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
+                    failure = f"did not answer ({type(e).__name__}: {e})"
+                except ValueError:  # not UTF-8 or not JSON
+                    failure = f"sent {raw[:200].decode(errors='replace')!r}"
+                if attempt == self.retries:
+                    raise TrainingStopped(f"reward server {self.url} {failure} ({attempt + 1} tries, a "
+                                          f"{self.timeout:g} s deadline each); expected {expected}: check that it "
+                                          f"runs (python common.py serve-reward) at the URL in --reward")
+                time.sleep(self.backoff * 2 ** attempt)
+        scores = reply.get("scores") if isinstance(reply, dict) else None
+        ok = isinstance(scores, list) and len(scores) == len(encoded) and all(type(x) is float for x in scores)
+        scores = torch.tensor(scores if ok else [], dtype=torch.float32)
+        if not ok or not torch.isfinite(scores).all():  # after the cast: 1e39 is inf in float32
+            raise TrainingStopped(f"reward server {self.url} sent {raw[:200].decode(errors='replace')!r} for "
+                                  f"{len(encoded)} images: expected {expected}")
+        return scores.to(self.device)
+
+
+def _post(request, timeout: float) -> tuple[int, bytes]:
+    """Sends a urllib request and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
+    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read.
+    The request runs in a daemon thread, abandoned if it overruns."""
+    import urllib.error
+    import urllib.request
+    box = []
+
+    def fetch():
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                box.append((reply.status, reply.read()))
+        except urllib.error.HTTPError as e:
+            box.append((e.code, e.read()))
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
+            box.append(e)
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        raise TimeoutError(f"no complete reply within {timeout:g} s")
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def serve_reward(argv=None):
+    """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
+    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
+    batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
+    error 500; a client that stalls for --timeout seconds is dropped, one that leaves early is one line on stderr."""
+    import base64
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
+    ap.add_argument("--reward", required=True, choices=list(REWARDS))
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may stall before it is dropped")
+    a = ap.parse_args(argv)
+
+    def refuse(message: str):
+        ap.exit(2, f"{ap.prog}: error: {message}\n")
+    if not 0 <= a.port <= 65535:
+        refuse(f"--port {a.port} must be between 0 and 65535")
+    scorer, lock = None, threading.Lock()  # one batch at a time on the model
+
+    def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
+        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata; a ValueError says what is wrong."""
+        batch = json.loads(raw)
+        images, prompts, metadata = (batch.get(k) if isinstance(batch, dict) else None
+                                     for k in ("images", "prompts", "metadata"))
+        if not (isinstance(images, list) and images and isinstance(prompts, list) and len(prompts) == len(images)
+                and all(isinstance(p, str) for p in prompts)
+                and (metadata is None or isinstance(metadata, list) and len(metadata) == len(images))):
+            raise ValueError('expected {"images": [1 or more], "prompts": [a string per image], "metadata": null '
+                             'or [one per image]}')
+        arrays = [np.load(io.BytesIO(base64.b64decode(x, validate=True)), allow_pickle=False) for x in images]
+        if not all(x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3 and x.shape == arrays[0].shape
+                   for x in arrays):
+            raise ValueError(f"images must be .npy uint8 arrays (H, W, 3) of one size, not "
+                             f"{sorted({f'{x.dtype} {x.shape}' for x in arrays})}")
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = a.timeout
+
+        def do_POST(self):
+            if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
+                return self._send(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
+            size = self.headers.get("Content-Length", "")
+            if not size.isdigit():
+                return self._send(411, {"error": "send a Content-Length"})
+            if int(size) > a.max_request_mb * 2**20:
+                return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
+            raw = self.rfile.read(int(size))
+            try:
+                batch = decode(raw)
+            except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error
+                return self._send(400, {"error": f"{type(e).__name__}: {e}"})
+            try:
+                with lock, torch.no_grad():
+                    scores = scorer(*batch).float().tolist()
+            except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
+                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            self._send(200, {"scores": scores})
+
+        def _send(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):  # a client that stalled or left: one line
+            print(f"dropped a request from {client_address[0]}: {sys.exc_info()[1]!r}", file=sys.stderr, flush=True)
+
+    try:
+        server = Server((a.host, a.port), Handler)
+    except OSError as e:
+        refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
+    try:
+        scorer = REWARDS[a.reward](device=a.device)
+    except UsageError as e:
+        refuse(str(e))
+    print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
+    server.serve_forever()
+
+
+# ==============================================================================================================
 # Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit
-# =============================================================================================
+# ==============================================================================================================
 TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.25, 1.0),
               "yellow": (1.0, 1.0, 0.0), "white": (1.0, 1.0, 1.0)}
+
+
 TOY_SHAPES = ("circle", "square", "triangle", "cross")
+
+
 TOY_SIZE = 16                 # pixels per side
+
+
 TOY_HALF_SIZE = (0.28, 0.40)  # shape half-size as a fraction of the canvas, drawn uniformly
+
+
 # Each colour is seen in pre-training with two shapes; the other 10 (colour, shape) pairs are held out
 # and are what RL trains and evaluates on: the pre-trained model has to compose them.
 TOY_SEEN = {(c, TOY_SHAPES[(i + j) % 4]) for i, c in enumerate(TOY_COLORS) for j in (0, 1)}
+
+
 TOY_PAIRS = [(c, s) for c in TOY_COLORS for s in TOY_SHAPES]
+
+
 TOY_HELD_OUT = [p for p in TOY_PAIRS if p not in TOY_SEEN]
 
 
@@ -2727,6 +2774,8 @@ def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 _TOY_SOFT_MASKS = torch.tensor(_toy_templates(np.linspace(*TOY_HALF_SIZE, 25)), dtype=torch.float32)  # every 0.005
+
+
 _TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
                        for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
 
@@ -2840,78 +2889,9 @@ class ToyAdapter(FluxFamilyAdapter):
         FluxPipeline.save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-@torch.no_grad()
-def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234) -> tuple:
-    """(mean reward, strict accuracy) of `per_pair` ODE samples of each (colour, shape) pair."""
-    prompts = [toy_prompt(c, s) for c, s in pairs for _ in range(per_pair)]
-    x = adapter.noise(len(prompts), make_generator(seed))
-    imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, adapter.sigmas(steps)))
-    return toy_reward(imgs, prompts).mean().item(), toy_accuracy(imgs, prompts).mean().item()
-
-
-def pretrain_toy(argv=None):
-    """Pre-trains the toy transformer with the rectified-flow loss on renders of the seen (colour, shape) pairs
-    and saves it to assets/toy (`python common.py pretrain-toy --help`). The text encoder keeps its random
-    initialisation (seed --seed), frozen: a fixed random embedding of the prompt's words is conditioning enough."""
-    p = argparse.ArgumentParser(prog="python common.py pretrain-toy", description=pretrain_toy.__doc__)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (cosine decay over them)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step")
-    p.add_argument("--lr", type=float, default=1.5e-3, help="AdamW peak learning rate (cosine decay, 100 warm-up)")
-    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights (warmed up from 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads")
-    p.add_argument("--out", default=str(ASSETS / "toy"), help="output folder")
-    p.add_argument("--save-at", default="", help="comma-separated extra steps to save at, into OUT-stepN")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    seed_everything(a.seed)
-    from tqdm import tqdm
-    transformer, text_encoder = build_toy_modules(a.seed)
-    adapter = ToyAdapter(transformer, text_encoder, torch.device("cpu"))  # freezes the text encoder
-    params = list(transformer.parameters())
-    ema = EMA(params, max_decay=a.ema, every=1)  # decay warmed up, so the random init washes out
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
-    warmup_cosine = lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps))  # noqa: E731
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
-    seen = sorted(TOY_SEEN)
-    rng = np.random.default_rng(a.seed)
-    save_at = {int(s) for s in a.save_at.split(",") if s}
-
-    def save(folder):
-        with ema.swapped_in():
-            transformer.save_pretrained(Path(folder) / "transformer")
-            text_encoder.save_pretrained(Path(folder) / "text_encoder")
-            r_seen = toy_quick_eval(adapter, transformer, seen)
-            r_held = toy_quick_eval(adapter, transformer, TOY_HELD_OUT)
-        print(f"saved {folder}: reward/accuracy seen {r_seen[0]:.3f}/{r_seen[1]:.3f}, "
-              f"held-out {r_held[0]:.3f}/{r_held[1]:.3f}", flush=True)
-
-    bar = tqdm(range(a.steps), desc="pretrain-toy", mininterval=5)
-    for step in bar:
-        idx = rng.integers(len(seen), size=a.batch_size)
-        halves = rng.uniform(*TOY_HALF_SIZE, size=a.batch_size)
-        imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
-        x0 = toy_pack(imgs)
-        cond = adapter.encode([toy_prompt(*seen[i]) for i in idx])
-        t = torch.sigmoid(torch.randn(a.batch_size))  # logit-normal times, as SD3 pre-training
-        eps = torch.randn_like(x0)
-        xt = (1 - t[:, None, None]) * x0 + t[:, None, None] * eps
-        loss = F.mse_loss(adapter.velocity(transformer, xt, t, cond), eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        ema.step(step)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step + 1 in save_at:
-            save(f"{a.out}-step{step + 1}")
-    save(a.out)
-
-
-# =============================================================================================
+# ==============================================================================================================
 # Appendix B. Offline pipelines: the real classes with random weights
-# =============================================================================================
+# ==============================================================================================================
 # --model-path random / random:N builds the published architectures (FLUX.1-dev, Stable Diffusion 3.5 Medium)
 # offline: assets/architectures/<family>/ is laid out as their hub repositories (model_index.json, each
 # component's config.json) without the weights, and with tokenizers that know a few words and spell the rest in
@@ -2973,11 +2953,9 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
-
-
 if __name__ == "__main__":
-    commands = {"pretrain-toy": pretrain_toy, "serve-reward": serve_reward, "evaluate": evaluate_main}
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
     if sys.argv[1:2] and sys.argv[1] in commands:
         commands[sys.argv[1]](sys.argv[2:])
     else:
-        print("usage: python common.py pretrain-toy | serve-reward | evaluate [--help]")
+        print("usage: python common.py serve-reward | evaluate [--help]")
