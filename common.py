@@ -38,8 +38,8 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -452,7 +452,6 @@ class EMA:
     def __init__(self, params, max_decay: float = 0.9, every: int = 8):
         self.params, self.max_decay, self.every = list(params), max_decay, every
         self.shadow = [p.detach().clone() for p in self.params]
-        self.num_updates = 0
 
     @torch.no_grad()
     def step(self, optimizer_step: int):
@@ -461,7 +460,6 @@ class EMA:
         decay = min((1 + optimizer_step) / (10 + optimizer_step), self.max_decay)
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach(), 1 - decay)
-        self.num_updates += 1
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -476,14 +474,6 @@ class EMA:
             with torch.no_grad():
                 for p, b in zip(self.params, backup):
                     p.copy_(b)
-
-    def state_dict(self):
-        return {"shadow": self.shadow, "num_updates": self.num_updates}
-
-    def load_state_dict(self, sd):
-        for s, v in zip(self.shadow, sd["shadow"]):
-            s.copy_(v)
-        self.num_updates = sd["num_updates"]
 
 
 # ==============================================================================================================
@@ -1399,12 +1389,14 @@ class TrainingLoop:
     """
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
-    def __init__(self, args, run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None, meta: dict,
+    def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
                  eval_prompts: list[dict], reward_fn):
         self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
-        self.optimizer, self.ema, self.meta = optimizer, ema, meta
+        self.optimizer, self.ema = optimizer, ema
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
         elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+        if rt.is_main and not args.preflight:  # the first write: every check before it has passed
+            run.log_start()
         self.t0 = time.time() - elapsed
         wandb = args.wandb and not args.preflight
         self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if wandb else None)
@@ -1420,7 +1412,7 @@ class TrainingLoop:
     def save(self, iteration: int) -> Path:
         """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
         return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.meta, self.rt)
+                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt)
 
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (not under
@@ -1634,13 +1626,28 @@ def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.M
 # ==============================================================================================================
 @dataclasses.dataclass
 class Run:
-    """Where a run writes and what it resumes: the folder, the checkpoint (None: a fresh start) and its iteration."""
+    """Where a run writes and what it resumes: the folder, what --resume must match (`meta`: trainer, model, LoRA rank
+    and alpha, EMA), the run's settings (`config`, for args.json), the checkpoint (None: a fresh start) and its
+    iteration."""
     dir: Path
+    meta: dict
+    config: dict
     checkpoint: Path | None = None
     start: int = 0
 
+    def log_start(self):
+        """Rank 0, once the checkpoint has loaded: the first start writes args.json; every later one, and a new folder
+        continuing a checkpoint, appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl."""
+        args_file = self.dir / "args.json"
+        if self.checkpoint is not None or args_file.exists():
+            append_line(self.dir / "metrics.jsonl", {"resumed": {
+                "from_iteration": self.start, "checkpoint": str(self.checkpoint.resolve()) if self.checkpoint else None,
+                "args": self.config}})
+        if not args_file.exists():
+            write_atomic(args_file, json.dumps(self.config, indent=2))
 
-def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict, rt: Runtime) -> Run:
+
+def prepare_run(args, rt: Runtime, trainer: str) -> Run:
     """Decides the run folder and the checkpoint to resume before any model loads, and claims the folder (rank 0
     decides; every rank gets the answer or the same UsageError). Rank 0 holds the folder until the run ends
     (_hold_folder): a folder another live run holds is refused. A run folder only grows: nothing in it is moved,
@@ -1648,14 +1655,17 @@ def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: 
     checkpoint.
       - fresh: --output-dir, or a new runs/<trainer>-<model>-<time>-<random>; a folder holding a run is refused;
       - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder),
-        which may hold a run only if this is its newest checkpoint; the checkpoint must match `meta`;
+        which may hold a run only if this is its newest checkpoint; the checkpoint must match the run's trainer,
+        model, LoRA and EMA and lie within --iterations;
       - --resume auto: the newest complete checkpoint in --output-dir, or a fresh start there.
-    The first start writes args.json (`config`); every later one, and a new folder continuing a checkpoint,
-    appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl; a --preflight run writes neither."""
+    Nothing is written here but the folder and its .lock: TrainingLoop writes args.json or the resume marker
+    (Run.log_start) once the checkpoint has loaded, and a --preflight run writes neither."""
+    meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
+            "ema": args.ema}
     run = None
     if rt.is_main:
         try:
-            run = _prepare_run(output_dir, resume, {**meta, "world_size": rt.world_size}, config)
+            run = _prepare_run(args, meta, rt.world_size)
         except UsageError as e:
             run = e
     run = broadcast_object(run)
@@ -1664,8 +1674,8 @@ def prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: 
     return run
 
 
-def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config: dict) -> Run:
-    checkpoint = None
+def _prepare_run(args, meta: dict, world_size: int) -> Run:
+    output_dir, resume, checkpoint, start = args.output_dir, args.resume, None, 0
     if resume == "auto":
         if output_dir is None:
             raise UsageError("--resume auto continues the run in --output-dir: pass the same --output-dir on every "
@@ -1673,6 +1683,11 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
         checkpoint = newest_checkpoint(Path(output_dir))
     elif resume:
         checkpoint = find_checkpoint(resume)
+    if checkpoint is not None:
+        start = check_checkpoint(checkpoint, {**meta, "world_size": world_size})
+        if start > args.iterations:
+            raise UsageError(f"--resume {resume} is at iteration {start}, past --iterations {args.iterations}: raise "
+                             f"--iterations")
     source = checkpoint.parent.parent if checkpoint is not None and checkpoint.parent.name == "checkpoints" else None
     if output_dir is not None:
         run_dir = Path(output_dir)
@@ -1685,18 +1700,7 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
             with contextlib.suppress(FileExistsError):
                 run_dir.mkdir(parents=True)
                 break
-    run = Run(run_dir)
-    if checkpoint is not None:
-        run.checkpoint, run.start = checkpoint, check_checkpoint(checkpoint, meta)
-        _training_state(checkpoint, mmap=True)  # readable, before the folder gets a marker
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"cannot write to the run folder {run_dir} ({e.strerror}): pass a writable --output-dir") \
-            from None
+    writable_folder(run_dir, "--output-dir")
     lock = _hold_folder(run_dir)
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
         newest = newest_checkpoint(run_dir)
@@ -1713,28 +1717,38 @@ def _prepare_run(output_dir: str | None, resume: str | None, meta: dict, config:
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    args_file = run_dir / "args.json"
-    if config.get("preflight"):  # the folder stays as a fresh start or this resume finds it (preflight.json aside)
-        return run
-    if checkpoint is not None or args_file.exists():
-        append_line(run_dir / "metrics.jsonl", {"resumed": {
-            "from_iteration": run.start, "checkpoint": str(checkpoint.resolve()) if checkpoint else None,
-            "args": config}})
-    if not args_file.exists():
-        write_atomic(args_file, json.dumps(config, indent=2))
-    return run
+    return Run(run_dir, meta, dataclasses.asdict(args), checkpoint, start)
+
+
+def writable_folder(folder: Path, flag: str):
+    """Makes `folder` if need be and checks that a file can be written in it; a UsageError names `flag`."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to {flag} {folder} ({e.strerror or e}): pass a writable folder") from None
 
 
 _HELD = []  # the open .lock of the run folder this process holds
 
 
 def _hold_folder(run_dir: Path) -> int:
-    """Locks run_dir for this process (an OS lock on run_dir/.lock, which names its holder's pid and host): held
-    until the run finishes, the process ends however it ends, or it prepares its next run. A folder another process
-    holds is refused, naming that process. Returns the lock file's descriptor."""
+    """Locks run_dir for this process (an OS lock on run_dir/.lock, a regular file naming its holder's pid and host,
+    never followed if it is a link): held until the run finishes, the process ends however it ends, or it prepares
+    its next run. A folder another process holds is refused, naming that process. Returns the lock's descriptor."""
     import fcntl
     _release_folder()
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path = run_dir / ".lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise IsADirectoryError(21, "not a regular file")
+    except OSError as e:  # a link (ELOOP), a folder (EISDIR) or anything else in the lock's place
+        raise UsageError(f"{path} is not the run's lock file ({e.strerror or e}): remove it, or pass another "
+                         f"--output-dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1756,7 +1770,7 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     p = Path(path)
     if (p / "checkpoints" / "latest").is_file():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
-    if not (p / "training_state.pt").is_file():
+    if not (p / "checkpoint.json").is_file():
         raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
     return p
@@ -1764,110 +1778,107 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """A run folder's latest complete checkpoint (one is renamed into place only when complete), or None."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "training_state.pt").is_file())
+    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "checkpoint.json").is_file())
     return done[-1] if done else None
 
 
+# What checkpoint.json holds, each key with the type it must have: the run it belongs to (meta), where it is, and
+# whether its optimizer had stepped (before the first step there is no AdamW state to save).
+CHECKPOINT_KEYS = {"trainer": str, "model": str, "lora_rank": int, "lora_alpha": (int, float), "ema": bool,
+                   "iteration": int, "world_size": int, "elapsed": (int, float), "optimizer_stepped": bool}
+
+
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json; a folder without a readable one, naming one of MODELS and an iteration, is
-    refused."""
+    """A checkpoint's checkpoint.json; one that is unreadable, lacks a key of CHECKPOINT_KEYS, names no model of
+    MODELS or a negative iteration is refused."""
     try:
         info = json.loads((checkpoint / "checkpoint.json").read_text())
-        if info["model"] in MODELS and isinstance(info["iteration"], int):
+        if all(type(info[k]) in (t if isinstance(t, tuple) else (t,)) for k, t in CHECKPOINT_KEYS.items()) and \
+                info["model"] in MODELS and info["iteration"] >= 0 and math.isfinite(info["elapsed"]):
             return info
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         pass
     raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or it "
-                     f"is corrupt (it must name one of the models {', '.join(MODELS)} and an iteration); pass another "
+                     f"is corrupt (it must name one of the models {', '.join(MODELS)}, an iteration of 0 or more and "
+                     f"{', '.join(k for k in CHECKPOINT_KEYS if k not in ('model', 'iteration'))}); pass another "
                      f"checkpoints/iter_* folder")
 
 
+# How a resumed run must match its checkpoint: checkpoint.json key -> what to say when they differ (theirs, ours).
+RESUME_MATCH = {
+    "trainer": lambda theirs, ours: f"was trained by {theirs}.py, not {ours}.py: resume it with {theirs}.py",
+    "model": lambda theirs, ours: f"has --model {theirs}, this run {ours}: pass --model {theirs}",
+    "lora_rank": lambda theirs, ours: f"has --lora-rank {theirs}, this run {ours}: pass --lora-rank {theirs}",
+    "lora_alpha": lambda theirs, ours: f"has --lora-alpha {theirs}, this run {ours}: pass --lora-alpha {theirs}",
+    "ema": lambda theirs, ours: "was trained with EMA and this run has --no-ema: pass --ema" if theirs else
+    "was trained without EMA and this run has --ema: drop --ema (its EMA would start from the checkpoint's weights)",
+}
+
+
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint whose trainer, model, LoRA rank or alpha, EMA or FSDP differ from `meta`, and says what
-    changes when its number of ranks differs from meta's "world_size"; returns its iteration."""
+    """Refuses a checkpoint that does not match `meta` (RESUME_MATCH; the LoRA alpha only under LoRA) or whose training
+    state is not readable, and says what changes when its number of ranks differs from meta's "world_size"; returns
+    its iteration."""
     info = checkpoint_info(checkpoint)
-    for key, flag in [("trainer", None), ("model", "--model"), ("lora_rank", "--lora-rank"),
-                      ("lora_alpha", "--lora-alpha"), ("ema", "--ema"), ("fsdp", "--fsdp")]:
-        default = False if key == "fsdp" else None  # a checkpoint.json without "fsdp": trained without it
-        theirs, ours = info.get(key, default), meta.get(key, default)
-        if theirs is None or theirs == ours or (key == "lora_alpha" and not meta["lora_rank"]):
-            continue
-        if key == "trainer":
-            raise UsageError(f"checkpoint {checkpoint} was trained by {theirs}.py, not {ours}.py: resume it with "
-                             f"{theirs}.py")
-        if key == "ema":
-            fix = "drop --ema (its EMA would start from the checkpoint's weights)" if ours else "pass --ema"
-            raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} EMA and this "
-                             f"run has {'--ema' if ours else '--no-ema'}: {fix}")
-        if key == "fsdp":  # its training state is in torch.distributed.checkpoint's sharded format, or in one file
-            raise UsageError(f"checkpoint {checkpoint} was trained {'with' if theirs else 'without'} --fsdp: "
-                             f"{'pass --fsdp' if theirs else 'drop --fsdp'} to resume it")
-        raise UsageError(f"checkpoint {checkpoint} has {flag} {theirs}, this run {ours}: pass {flag} {theirs}")
-    theirs, ours = info.get("world_size"), meta.get("world_size")
-    if theirs and ours and theirs != ours:
-        print0(f"checkpoint {checkpoint.name} was trained on {theirs} ranks and this run has {ours}: each rank now "
-               f"takes 1/{ours} of --prompts-per-step with its own seeds, so the run continues from the same state "
-               f"but its rollouts differ from those of an unbroken {theirs}-rank run")
+    for key, say in RESUME_MATCH.items():
+        if info[key] != meta[key] and (key != "lora_alpha" or meta["lora_rank"]):
+            raise UsageError(f"checkpoint {checkpoint} {say(info[key], meta[key])}")
+    import torch.distributed.checkpoint as dcp
+    try:
+        saved = dcp.FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata
+        parts = ["params"] + ["optimizer"] * info["optimizer_stepped"] + ["ema"] * info["ema"]
+        if missing := [p for p in parts if not any(k.startswith(p + ".") for k in saved)]:
+            raise KeyError(f"no {missing[0]} in it")
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file raises many kinds
+        raise UsageError(f"checkpoint {checkpoint}: its training state state/ is unreadable ({one_line(e)}); it is "
+                         f"corrupt or incomplete: resume from an earlier checkpoints/iter_* folder in a new "
+                         f"--output-dir, or start a new run") from None
+    if info["world_size"] != meta["world_size"]:
+        print0(f"checkpoint {checkpoint.name} was trained on {info['world_size']} ranks and this run has "
+               f"{meta['world_size']}: each rank now takes 1/{meta['world_size']} of --prompts-per-step with its own "
+               f"seeds, so the run continues from the same state but its rollouts differ from those of an unbroken "
+               f"{info['world_size']}-rank run")
     return info["iteration"]
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as a short line: its type and the first line of its message (of a torch.distributed.checkpoint
+    failure, the first rank's)."""
+    e = next(iter(getattr(e, "failures", {}).values()), e)   # CheckpointException: {rank: WrappedException}
+    e = getattr(e, "exc", e)
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def training_state(params: list, optimizer, ema: EMA | None) -> dict:
+    """The training state as torch.distributed.checkpoint saves it and loads it in place, resharded to this run's
+    layout: the trainable tensors keyed by position, their AdamW state unless `optimizer` is None (before its first
+    step; a fresh optimizer gets zero state to load into) and the EMA's shadow. Plain tensors (one process, DDP) and
+    FSDP2's shards are the same entries, so a checkpoint of either layout resumes in the other, on any number of
+    ranks."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    holder = torch.nn.ParameterList(params)
+    state = {"params": get_model_state_dict(holder)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
+    if ema is not None:
+        state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
+    return state
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
-    `latest` updated), or keeps the one already there. Every rank calls it; all return once it is in place.
-      - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
-        fine-tuning: the EMA weights when there is an EMA;
-      - training_state.pt: iteration, elapsed seconds and, without --fsdp, the exact parameters, optimizer, EMA;
-        under --fsdp each rank writes its shards of these to sharded/ (torch.distributed.checkpoint, loadable
-        under any number of ranks);
-      - checkpoint.json: `meta`, the iteration and the number of ranks, which --resume checks.
-    Weights not finite on any rank are never written, and a write failing on any rank: both stop the run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (write_checkpoint into a temporary folder renamed
+    into place, then `latest` updated), or keeps the one already there. Every rank calls it; all return once it is in
+    place. Weights not finite on any rank are never written, and a write failing on any rank stops every rank."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
     if broadcast_object(final.is_dir()):
         return final
-    sharded = any(hasattr(q, "to_local") for q in params)
-    tmp, error = None, None
-    try:
-        if rt.is_main:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
-        tmp = broadcast_object(tmp)
-        state = {"iteration": iteration, "elapsed": elapsed}
-        if sharded:
-            state["stepped"] = bool(optimizer.state)  # before the first optimizer step there is no AdamW state
-            dcp.save(_sharded_state(params, optimizer if state["stepped"] else None, ema),
-                     checkpoint_id=tmp / "sharded")
-        elif rt.is_main:
-            state.update(params=[p.detach().cpu() for p in params], optimizer=optimizer.state_dict(),
-                         ema=ema.state_dict() if ema else None)
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-            if sharded:  # collective: rank 0 gets the whole transformer
-                weights = get_model_state_dict(adapter.transformer,
-                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rt.is_main and lora:
-                from peft.utils import get_peft_model_state_dict
-                adapter.save_lora(tmp, get_peft_model_state_dict(adapter.transformer))
-            elif rt.is_main and sharded:
-                _save_diffusers_model(adapter.transformer, weights, tmp / "transformer")
-            elif rt.is_main:
-                adapter.transformer.save_pretrained(tmp / "transformer")
-        if rt.is_main:
-            torch.save(state, tmp / "training_state.pt")
-            info = {**meta, "iteration": iteration, "world_size": rt.world_size}
-            (tmp / "checkpoint.json").write_text(json.dumps(info, indent=2))
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
-        error = f"{type(e).__name__}: {e}"
-    if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
-        if rt.is_main and tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {final.parent} "
-                              f"({error or 'on another rank'}); free disk space or pass another --output-dir and "
-                              f"--resume the last checkpoint there")
+    tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
+    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
+                     rt, f"the checkpoint of iteration {iteration} to {final.parent}")
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1875,19 +1886,48 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     return final
 
 
-def _sharded_state(params: list, optimizer, ema: EMA | None) -> dict:
-    """The --fsdp training state as dcp saves it and loads it in place (resharded to this run's ranks): parameter
-    shards keyed by position, their AdamW state unless `optimizer` is None (a fresh optimizer gets zero state to
-    load into) and the EMA's shadow shards."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    holder = torch.nn.ParameterList(params)
-    state = {"params": get_model_state_dict(holder)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
-    if ema is not None:
-        state["ema"] = {"shadow": {str(i): s for i, s in enumerate(ema.shadow)},
-                        "num_updates": torch.tensor(ema.num_updates)}
-    return state
+def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
+                     rt: Runtime, what: str):
+    """Writes a checkpoint into the new `folder` (made with the process's umask); every rank calls it:
+      - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
+        fine-tuning: the EMA weights when there is an EMA;
+      - state/: the training state (training_state: exact weights, AdamW state, EMA) in torch.distributed.checkpoint's
+        format, each rank writing its part;
+      - checkpoint.json, last: `info` (meta, iteration, elapsed seconds), the number of ranks and whether the optimizer
+        had stepped, which --resume checks (CHECKPOINT_KEYS).
+    A failure on any rank removes the folder and stops every rank with one line naming `what`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None
+    try:
+        if rt.is_main:
+            folder.mkdir(parents=True)
+    except OSError as e:
+        error = one_line(e)
+    if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
+        try:
+            dcp.save(training_state(params, optimizer if stepped else None, ema), checkpoint_id=folder / "state")
+            with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+                if sharded:  # collective: rank 0 gets the whole transformer
+                    weights = get_model_state_dict(adapter.transformer,
+                                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                if rt.is_main and lora:
+                    from peft.utils import get_peft_model_state_dict
+                    adapter.save_lora(folder, get_peft_model_state_dict(adapter.transformer))
+                elif rt.is_main and sharded:
+                    _save_diffusers_model(adapter.transformer, weights, folder / "transformer")
+                elif rt.is_main:
+                    adapter.transformer.save_pretrained(folder / "transformer")
+            if rt.is_main:
+                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped}
+                (folder / "checkpoint.json").write_text(json.dumps(info, indent=2))
+        except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+            error = one_line(e)
+    if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
+        if rt.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise TrainingStopped(f"could not write {what} ({error or 'on another rank'}); free disk space or pass another "
+                              f"--output-dir and --resume the last checkpoint there")
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
@@ -1902,48 +1942,28 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
-def _training_state(checkpoint: Path, mmap: bool = False) -> dict:
-    """training_state.pt (with `mmap`, its tensors are read only when used); an unreadable one is refused."""
-    try:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False, mmap=mmap)
-        state["iteration"]
-    except Exception as e:
-        raise UsageError(f"checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}); it is corrupt or "
-                         f"incomplete: resume from an earlier checkpoints/iter_* folder in a new --output-dir, or "
-                         f"start a new run") from None
-    return state
-
-
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
-    """Restores the trainable parameters, optimizer and EMA; returns the training seconds so far."""
-    state = _training_state(checkpoint)
-    if any(hasattr(q, "to_local") for q in params):  # --fsdp: sharded/ into this rank's shards
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        optimizer = optimizer if state["stepped"] else None  # no AdamW state saved: it stays fresh
-        sharded = _sharded_state(params, optimizer, ema)
-        dcp.load(sharded, checkpoint_id=checkpoint / "sharded")  # in place: the parameters' and the EMA's shards
+    """Restores the trainable parameters, optimizer and EMA from state/, in place; returns the training seconds so far.
+    A state that does not load (damaged, or of another model) is refused in one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    info = checkpoint_info(checkpoint)
+    saved = sum(k.startswith("params.") for k in dcp.FileSystemReader(str(checkpoint / "state")).read_metadata()
+                .state_dict_metadata)
+    if saved != len(params):
+        raise UsageError(f"checkpoint {checkpoint} holds {saved} trainable tensors and this model {len(params)}: "
+                         f"resume with the --model, --model-path and --lora-rank it was trained with")
+    optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
+    state = training_state(params, optimizer, ema)
+    try:
+        dcp.load(state, checkpoint_id=checkpoint / "state")
         if optimizer is not None:
-            set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, sharded["optimizer"])
-        if ema is not None:
-            ema.num_updates = int(sharded["ema"]["num_updates"])
-        return state["elapsed"]
-    saved = state["params"]
-    if len(saved) != len(params):
-        raise UsageError(f"checkpoint {checkpoint} holds {len(saved)} trainable tensors and this model {len(params)}: "
-                         f"resume with the --model and --lora-rank it was trained with")
-    for i, (s, p) in enumerate(zip(saved, params)):
-        if s.shape != p.shape:
-            raise UsageError(f"checkpoint {checkpoint}: trainable tensor {i} has shape {tuple(s.shape)} there and "
-                             f"{tuple(p.shape)} in this model: resume with the --model and --lora-rank it was "
-                             f"trained with")
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    optimizer.load_state_dict(state["optimizer"])
-    if ema is not None and state.get("ema"):
-        ema.load_state_dict(state["ema"])
-    return state["elapsed"]
+            set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - it raises many kinds for damaged files
+        raise UsageError(f"checkpoint {checkpoint}: its training state state/ does not load into this run "
+                         f"({one_line(e)}); it is corrupt, incomplete or of another model: resume from an earlier "
+                         f"checkpoints/iter_* folder in a new --output-dir, or start a new run") from None
+    return float(info["elapsed"])
 
 
 # ==============================================================================================================

@@ -49,7 +49,7 @@ Run:
   torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 \\
       --prompts-per-step 64
   torchrun --nproc_per_node=8 flow_grpo.py --model sd3 --lora-rank 0 --fsdp --lr 1e-5   # full fine-tuning, FSDP2
-  python flow_grpo.py --sde-window 3 --sde-type cps --noise-level 0.8 --clip-range 1e-5 --beta 0   # Fast, toy
+  python flow_grpo.py --sde-window 3 --sde-type cps --noise-level 0.8 --clip-range 1e-5 --beta 0 --lr 1e-4  # Fast, toy
 
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
 rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps;
@@ -58,7 +58,6 @@ N = samples per rank; mb = micro_batch; k0 = the first step of a rollout micro-b
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -255,12 +254,7 @@ def main(args: Args) -> dict:
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
-    meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
-    if run.start > args.iterations:
-        raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
-                                f"{args.iterations}: raise --iterations")
+    run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
@@ -278,7 +272,7 @@ def main(args: Args) -> dict:
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)

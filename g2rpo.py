@@ -73,7 +73,6 @@ B = prompts per rank; T = sample_steps; mb = micro_batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,12 +291,7 @@ def main(args: Args) -> dict:
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
-    meta = {"trainer": Path(__file__).stem, "model": args.model, "lora_rank": args.lora_rank,
-            "lora_alpha": args.lora_alpha, "ema": args.ema, "fsdp": args.fsdp}  # --resume refuses one that differs
-    run = common.prepare_run(args.output_dir, args.resume, meta, dataclasses.asdict(args), rt)
-    if run.start > args.iterations:
-        raise common.UsageError(f"--resume {args.resume} is at iteration {run.start}, past --iterations "
-                                f"{args.iterations}: raise --iterations")
+    run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
@@ -315,7 +309,7 @@ def main(args: Args) -> dict:
         params = common.fully_shard_model(transformer, rt, ref)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
-    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, meta, eval_prompts, reward_fn)
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn)
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)

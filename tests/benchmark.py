@@ -73,10 +73,10 @@ from helpers import read_metrics  # noqa: E402
 
 # A variant is a trainer run with flags of its own, benchmarked as a method beside the trainers: name -> (trainer, its
 # toy recipe, its full-scale FLUX settings for the cost runs). Flow-GRPO-Fast is flow_grpo.py's official speed recipe:
-# the toy recipe is the official one (an SDE window of 3 in steps 0-4 of 10, CPS at 0.8, clip 1e-5, no KL), and the
-# FLUX one the official pickscore_flux_fast config (README, Recipes of the papers).
+# the toy recipe is the official one (an SDE window of 3 in steps 0-4 of 10, CPS at 0.8, clip 1e-5, no KL) at lr 1e-4
+# (calibrated: README, Toy recipes), the FLUX one the official pickscore_flux_fast config (README, Recipes).
 VARIANTS = {"flow_grpo-fast": ("flow_grpo", ["--sde-window", "3", "--sde-type", "cps", "--noise-level", "0.8",
-                                             "--clip-range", "1e-5", "--beta", "0"],
+                                             "--clip-range", "1e-5", "--beta", "0", "--lr", "1e-4"],
                                ["--sde-window", "3", "--sde-window-range", "0,3", "--sde-type", "cps",
                                 "--noise-level", "0.8", "--clip-range", "1e-5", "--beta", "0", "--no-global-std"])}
 RUNS = METHODS + list(VARIANTS)                            # what --methods runs by default

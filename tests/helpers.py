@@ -197,10 +197,19 @@ def without_timings(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not (k.startswith("t_") or k == "time_s")} for m in lines]
 
 
+def training_state(checkpoint) -> dict:
+    """A checkpoint's training state (its state/ folder, torch.distributed.checkpoint's format) read whole in this
+    process: {"params": {"0": tensor, ...}, "optimizer": ..., "ema": ...}, as common.training_state names them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(Path(checkpoint) / "state", Path(folder) / "state.pt")
+        return torch.load(Path(folder) / "state.pt", weights_only=False)
+
+
 def trained_params(run_dir, iteration: int) -> list:
-    """The exact trainable tensors a run saved at `iteration` (its training_state.pt)."""
-    path = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}" / "training_state.pt"
-    return torch.load(path, weights_only=False)["params"]
+    """The exact trainable tensors a run saved at `iteration`."""
+    params = training_state(Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}")["params"]
+    return [params[str(i)] for i in range(len(params))]
 
 
 def free_port() -> int:

@@ -201,7 +201,7 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
         assert m["nfe_fwd"] == m["nfe_anchor"] + m["nfe_continuation"] + reference
         assert m["nfe_fwd_bwd"] == cfg * B * K               # one forward per prompt and k
         assert m["decodes"] == m["reward_calls"] == B * K * G * L + B  # every (k, branch, stride) + the anchors
-    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
+    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "state" / ".metadata").is_file()
 
 
 def test_resume_equals_straight_run(tmp_path):

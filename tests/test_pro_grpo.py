@@ -130,7 +130,7 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
     assert all("eval_reward" in m for m in lines)
     assert ("eval_accuracy" in lines[0]) == (model == "toy")
     assert (tmp_path / "r" / "eval_000000.png").is_file()
-    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
+    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "state" / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("model,extra", [("toy", []), ("sd3", ["--beta", "0.01"]),

@@ -168,6 +168,6 @@ def test_cli_help_shows_the_defaults_of_the_chosen_model(capsys):
             common.cli(flow_grpo.Args, ["--model", model, "--help"], flow_grpo.MODEL_DEFAULTS)
         out = " ".join(capsys.readouterr().out.split())
         assert f"Defaults shown are those of --model {model}" in out
-        assert f"--noise-level NOISE_LEVEL SDE noise level a in g = a sqrt(t / (1 - t)); with --sde-type cps, a in the " \
-               f"std s sin(a pi / 2), in (0, 1] (default: {noise})" in out
+        assert f"--noise-level NOISE_LEVEL SDE noise level a in g = a sqrt(t / (1 - t)); with --sde-type cps, a in " \
+               f"the std s sin(a pi / 2), in (0, 1] (default: {noise})" in out
         assert "--sde-window SDE_WINDOW Flow-GRPO-Fast:" in out and "(default: 0,T//2)" in out

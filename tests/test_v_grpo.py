@@ -172,7 +172,7 @@ def test_two_iterations_exactly_on_policy_first_update_and_paper_nfe(model, extr
     assert max(m["ratio_dev_max"] for m in lines[:2]) > 0.0
     assert all("eval_reward" in m for m in lines)
     assert ("eval_accuracy" in lines[0]) == (model == "toy")
-    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "training_state.pt").is_file()
+    assert (tmp_path / "r" / "checkpoints" / "iter_000002" / "state" / ".metadata").is_file()
 
 
 def test_resume_equals_straight_run(tmp_path):
