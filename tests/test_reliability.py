@@ -71,12 +71,12 @@ def test_a_nan_reward_skips_the_steps_it_poisons_and_logs_null(tmp_path, monkeyp
 def test_non_finite_steps_in_a_row_stop_the_run_and_the_last_checkpoint_is_intact(tmp_path, monkeypatch):
     r = tmp_path / "r"
     run(flow_grpo, [*TOY, "--iterations", "2", "--eval-every", "0", "--output-dir", str(r)])
-    saved = (r / "checkpoints" / "iter_000002" / "training_state.pt").read_bytes()
+    saved = snapshot(r / "checkpoints" / "iter_000002")
     monkeypatch.setitem(common.REWARDS, "toy", nan_reward(set(range(1, 100))))
     with pytest.raises(common.TrainingStopped, match="3 optimizer steps in a row had a NaN or inf gradient norm"):
         run(flow_grpo, [*TOY, "--iterations", "6", "--eval-every", "0", "--output-dir", str(r), "--resume", str(r)])
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000002", "latest"]
-    assert (r / "checkpoints" / "iter_000002" / "training_state.pt").read_bytes() == saved
+    assert snapshot(r / "checkpoints" / "iter_000002") == saved
     lines = strict_lines(r)                                # iteration 2: both steps skipped and logged; the
     assert [m["iteration"] for m in lines] == [0, 1, 2] and lines[2]["skipped_steps"] == 2  # 3rd stops the run
 
@@ -221,9 +221,9 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     run(flow_grpo, [*tiny(), "--iterations", "50", "--time-budget", "9", "--save-every", "1", "--output-dir", str(r)])
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
-    stamp = (ckpt / "training_state.pt").stat().st_mtime_ns
+    before = {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")}
     common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))  # exists: kept
-    assert (ckpt / "training_state.pt").stat().st_mtime_ns == stamp
+    assert {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")} == before
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
     run(flow_grpo, [*tiny(), "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
@@ -274,10 +274,10 @@ def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message,
                                               *(flags() if callable(flags) else flags)])
 
 
-def test_a_folder_without_checkpoint_json_is_refused_as_no_checkpoint(tmp_path, capsys):
+def test_a_folder_with_a_corrupt_checkpoint_json_is_refused(tmp_path, capsys):
     a = tmp_path / "a"
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
-    (a / "checkpoints" / "iter_000001" / "checkpoint.json").unlink()
+    (a / "checkpoints" / "iter_000001" / "checkpoint.json").write_text('{"trainer": "flow_grpo"')
     message = "has no readable checkpoint.json: it is not a checkpoint of these trainers or it is corrupt"
     with pytest.raises(common.UsageError, match=message):
         run(flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a)])
@@ -451,10 +451,9 @@ def test_an_error_before_the_update_checkpoints_the_iterations_starting_state(tm
 
 
 # ---- one writer per run folder ----
-HOLDER = """import json, pathlib, common
-ckpt = common.newest_checkpoint(pathlib.Path(sys.argv[1]))  # --resume auto, as a trainer would
-meta = json.loads((ckpt / "checkpoint.json").read_text()) if ckpt else {"trainer": "flow_grpo", "model": "toy"}
-common.prepare_run(sys.argv[1], "auto", meta, {}, common.setup_runtime(0, 1))
+HOLDER = """import common, flow_grpo
+args = flow_grpo.Args(model="toy", output_dir=sys.argv[1], resume="auto", iterations=100)  # as a trainer would
+common.prepare_run(args, common.setup_runtime(0, 1), "flow_grpo")
 print("holding", file=sys.stderr, flush=True)
 sys.stdin.read()
 """
@@ -569,7 +568,7 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
     (tmp_path / "a_file").write_text("x")
     err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
                                           str(tmp_path / "a_file" / "run")])
-    assert "cannot write to the run folder" in err and "pass a writable --output-dir" in err
+    assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable folder" in err
 
 
 def test_the_real_entry_point_prints_one_line(tmp_path):
