@@ -2285,8 +2285,23 @@ PROMPT_SE = 2.0                # right prompts must beat shifted ones by this ma
 ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # first-update |ratio - 1| and KL; GPU: the smallest --clip-range
 
 
+# One optimizer step's size, from the second step's micro-batches (rollout samples scored after the first step): a
+# ratio moved by 1 or more (a sample's likelihood halved, doubled or gone) is far outside any clip range (1e-5 to
+# 0.2), and 0.1 nats of KL is 50x the largest the defaults take (toy: |ratio - 1| 0.003-0.12, KL 1e-6 to 2e-3).
+STEP_LIMITS = {"ratio_dev": 1.0, "approx_kl": 0.1}
+GRAD_WARN = 100  # a gradient norm this many times --grad-clip: clipping hides a loss or learning rate far off
+
+
 BASE_RANGES = {"pickscore": (0.81, 0.90), "hpsv2": (0.24, 0.32), "aesthetic": (4.8, 6.2),  # base-model means
                "imagereward": (0.3, 1.3), "toy": (0.6, 1.0)}                             # (README, Preflight)
+
+
+def shutdown_grace() -> float | None:
+    """Seconds from SIGTERM to SIGKILL this process can count on: under torchrun its --shutdown-timeout, which it
+    reads from TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set (else 30 s); None outside torchrun (the scheduler decides)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
 
 
 def _sync(device):
@@ -2295,9 +2310,9 @@ def _sync(device):
 
 
 def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
-    """A table row; ok None: information only; a failed check WARNs with `warn`, else it FAILs with `advice`."""
+    """A table row; ok None: information only; a failed check WARNs with `warn`, else it FAILs; either says `advice`."""
     status = "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
-    return check, str(value), expected, status, advice if status == "FAIL" else ""
+    return check, str(value), expected, status, advice if status in ("FAIL", "WARN") else ""
 
 
 class Preflight:
@@ -2356,7 +2371,11 @@ class Preflight:
                               f"checkpoints)", free >= need, "free disk space, raise --save-every or pass another "
                               "--output-dir (checkpoints are never deleted)"))
         with lp.ema.swapped_in() if lp.ema else contextlib.nullcontext():
-            self.generation(lp, a, rt)
+            try:
+                self.generation(lp, a, rt)
+            except TrainingStopped as e:  # a scorer failed on some rank: every rank is here
+                self.failed(e)
+        self.unreachable = self.probe(lp, a)
         self.before = fingerprint(lp.params)
         self.model_s, self.tic = 0.0, time.perf_counter()
 
@@ -2408,41 +2427,91 @@ class Preflight:
                 self.rows.append(_row(f"{key}: mean on base-model images", f"{s.mean().item():.4g}",
                                       f"{lo:g} - {hi:g}", lo <= s.mean().item() <= hi, warn=True))
 
+    def probe(self, lp, a) -> set:
+        """The trained tensors no loss can reach: any loss reaches the weights through the velocity, so one backward
+        of a random projection of one velocity finds them, in the graph but with a gradient of exactly zero (the
+        text stream of SD3's last joint block, which the model drops). A tensor outside the graph is not one."""
+        cond = lp.adapter.encode([lp.eval_prompts[0]["prompt"]])
+        v = lp.adapter.velocity(lp.adapter.transformer, lp.adapter.noise(1, make_generator(a.seed, 1)), 0.5, cond)
+        loss = (v * torch.randn(v.shape, generator=make_generator(a.seed, 2)).to(v)).sum()
+        if any(hasattr(p, "to_local") for p in lp.params):   # FSDP2: its hooks reduce the gradients into .grad
+            loss.backward()
+            grads = [None if p.grad is None else p.grad.to_local() for p in lp.params]
+            lp.optimizer.zero_grad(set_to_none=True)
+        else:                                                # no .grad written, no DDP hook run
+            grads = torch.autograd.grad(loss, lp.params, allow_unused=True)
+        zero = all_ranks([g is not None and not g.any() for g in grads], lp.rt.device, dist.ReduceOp.MIN)
+        return {id(p) for p, z in zip(lp.params, zero) if z}
+
     def see_gradients(self, params: list, overflow_possible: bool):
-        """From StepGuard.step, before clipping: each tensor's gradient finite and nonzero (over all ranks) and
-        the norm, of the first optimizer step (under fp16 loss scaling: the first without a scaler overflow)."""
-        if self.grads is not None:
-            return
+        """From StepGuard.step, before clipping, at each optimizer step of the measured iteration: each tensor's
+        gradient finite and nonzero (over all ranks and the iteration) and the largest norm (under fp16 loss scaling:
+        of the steps without a scaler overflow)."""
         grads = [None if p.grad is None else p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                  for p in params]
         dev = self.loop.rt.device
-        finite_ = all_ranks([g is None or bool(torch.isfinite(g).all()) for g in grads], dev, dist.ReduceOp.MIN)
-        nonzero = all_ranks([g is not None and bool(g.any()) for g in grads], dev, dist.ReduceOp.MAX)
+        finite_ = [v > 0 for v in all_ranks([g is None or bool(torch.isfinite(g).all()) for g in grads], dev,
+                                            dist.ReduceOp.MIN)]
+        nonzero = [v > 0 for v in all_ranks([g is not None and bool(g.any()) for g in grads], dev, dist.ReduceOp.MAX)]
         if overflow_possible and not all(finite_):
             return                                            # the scaler backs off; the next step is recorded
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm       # FSDP2: over all shards
-        names = {id(p): n for n, p in self.loop.adapter.transformer.named_parameters()}
-        by_name = {names.get(id(p), str(i)): (p, nz) for i, (p, nz) in enumerate(zip(params, nonzero))}
+        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()       # FSDP2: over all shards
+        if self.grads is not None:
+            g = self.grads
+            g["finite"] = [x and y for x, y in zip(g["finite"], finite_)]
+            g["nonzero"] = [x or y for x, y in zip(g["nonzero"], nonzero)]
+            g["norm"] = max(g["norm"], norm)
+            return
+        index = {id(q): n for n, q in self.loop.adapter.transformer.named_parameters()}
+        names = [index.get(id(p), str(i)) for i, p in enumerate(params)]
+        by_name = dict(zip(names, params))
         # a fresh LoRA's A gets no gradient while its B is still zero (peft starts B at 0)
-        starved = [n for n, (p, nz) in by_name.items() if not nz and not (
-            "lora_A" in n and n.replace("lora_A", "lora_B") in by_name
-            and not by_name[n.replace("lora_A", "lora_B")][0].detach().any())]
-        self.grads = {"finite": int(sum(finite_)), "nonzero": int(sum(nonzero)), "starved": starved,
-                      "count": len(params), "norm": norm.item()}
+        zero_b = {i for i, n in enumerate(names) if "lora_A" in n and n.replace("lora_A", "lora_B") in by_name
+                  and not by_name[n.replace("lora_A", "lora_B")].detach().any()}
+        self.grads = {"finite": finite_, "nonzero": nonzero, "norm": norm, "zero_b": zero_b, "names": names}
+
+    def gradient_rows(self, a) -> list:
+        """The gradient rows of the measured iteration: finite, reaching every tensor that can get one, and the norm."""
+        g, n, clip = self.grads, len(self.loop.params), a.grad_clip
+        if g is None:
+            return [_row("gradients finite", "no optimizer step", "all", False, "the iteration took no optimizer step")]
+        ids = [id(p) for p in self.loop.params]
+        exempt = [i for i in range(n) if not g["nonzero"][i] and i in g["zero_b"]]
+        cannot = [i for i in range(n) if not g["nonzero"][i] and ids[i] in self.unreachable and i not in exempt]
+        starved = [g["names"][i] for i in range(n) if not g["nonzero"][i] and i not in exempt + cannot]
+        notes = ([f"{len(cannot)} cannot get one: {', '.join(g['names'][i] for i in cannot[:2])}"] if cannot else []) \
+            + ([f"{len(exempt)} lora_A exempt while lora_B = 0"] if exempt else [])
+        return [
+            _row("gradients finite", f"{sum(g['finite'])}/{n}", "all", all(g["finite"]),
+                 "NaN / inf gradients: a non-finite reward or loss, or a --lr / --dtype too aggressive"),
+            _row("tensors with a gradient", f"{n - len(starved)}/{n}" + (f" ({'; '.join(notes)})" if notes else ""),
+                 "all", not starved, f"no gradient reaches {', '.join(starved[:3])}: are they in the forward pass (the "
+                 f"LoRA targets) and in the loss (all-zero advantages reach none)?"),
+            _row("gradient norm before clipping (largest)", f"{g['norm']:.3g}", f"<= {GRAD_WARN} x clip {clip:g}",
+                 g["norm"] <= GRAD_WARN * clip, f"the gradient is {g['norm'] / clip:.3g}x the clip: the loss or the "
+                 f"rewards are far off in scale, or --lr is", warn=True)]
 
     def end(self, metrics: dict):
         lp, a, rt = self.loop, self.loop.args, self.loop.rt
         _sync(rt.device)
         iteration_s = time.perf_counter() - self.tic
         tol = ON_POLICY_TOL[rt.device.type]
-        ratio, kl, zero = all_ranks([metrics.get("ratio_dev_first_update", math.nan),
-                                     metrics.get("kl_first_update", math.nan), metrics.get("zero_std_frac", 0.0)],
-                                    rt.device, dist.ReduceOp.MAX)
-        g = self.grads or {"finite": 0, "nonzero": 0, "starved": ["(no optimizer step)"], "count": len(lp.params),
-                           "norm": math.nan}
+        ratio, kl, zero, ratio2, kl2 = all_ranks(
+            [metrics.get(k, d) for k, d in (("ratio_dev_first_update", math.nan), ("kl_first_update", math.nan),
+                                            ("zero_std_frac", 0.0), ("ratio_dev_second_update", math.nan),
+                                            ("approx_kl_second_update", math.nan))], rt.device, dist.ReduceOp.MAX)
         moved = int(all_ranks([(self.before.view(-1, 2) != fingerprint(lp.params).view(-1, 2)).any(1).sum()],
                               rt.device, dist.ReduceOp.MAX)[0])
+        with_gradient = sum(self.grads["nonzero"]) if self.grads else 0
+        step_advice = "one optimizer step took the policy far outside the clip range: lower --lr"
+        if "ratio_dev_second_update" in metrics:
+            step = [_row("one step's size: max abs(ratio - 1)", f"{ratio2:.3g}", f"< {STEP_LIMITS['ratio_dev']:g}",
+                         ratio2 < STEP_LIMITS["ratio_dev"], step_advice),
+                    _row("one step's size: approx KL", f"{kl2:.3g}", f"<= {STEP_LIMITS['approx_kl']:g}",
+                         kl2 <= STEP_LIMITS["approx_kl"], step_advice)]
+        else:
+            step = [_row("one step's size", "not measured: one optimizer step per iteration")]
         self.rows += [
             _row("groups with all rewards equal", f"{zero:.2f}", "< 0.5", zero < 0.5, "every advantage is zero, "
                  "nothing trains: raise --group-size or use a reward with more spread", warn=zero < 1),
@@ -2451,14 +2520,9 @@ class Preflight:
                  "mode in both"),
             _row("first update KL", f"{kl:.3g}", f"<= {tol:g}" if self.start == 0 else "(resumed)",
                  kl <= tol if self.start == 0 else None, "the KL reference is not the starting policy"),
-            _row("gradients finite", f"{g['finite']}/{g['count']}", "all", g["finite"] == g["count"],
-                 "NaN / inf gradients: a non-finite reward or loss, or a --lr / --dtype too aggressive"),
-            _row("tensors with a gradient", f"{g['count'] - len(g['starved'])}/{g['count']}", "all",
-                 not g["starved"], f"no gradient reaches {', '.join(g['starved'][:3])}: are they in the forward pass "
-                 f"(the LoRA targets) and in the loss (all-zero advantages reach none)?"),
-            _row("gradient norm before clipping", f"{g['norm']:.3g}", f"clipped to {a.grad_clip:g}"),
-            _row("parameters moved", f"{moved}/{len(lp.params)}", f">= {g['nonzero']} (those with a gradient)",
-                 moved >= g["nonzero"] and moved > 0,
+            *self.gradient_rows(a), *step,
+            _row("parameters moved", f"{moved}/{len(lp.params)}", f">= {with_gradient} (those with a gradient)",
+                 moved >= with_gradient and moved > 0,
                  "the optimizer step changed no weights: is the optimizer built on the trained parameters?")]
         if rt.distributed and not a.fsdp:
             diff = rank_param_diff(lp.params)
@@ -2470,6 +2534,26 @@ class Preflight:
         peak = all_ranks([peak], rt.device, dist.ReduceOp.MAX)[0]
         self.rows.append(_row("peak memory per device", f"{peak / 2**30:.2f} GiB of {self.total / 2**30:.0f}",
                               "< 90%", peak < 0.9 * self.total, warn=True))
+        # a trial checkpoint, written and removed: its size, and the worst time from a signal to a saved checkpoint
+        # (a signal during an update lets it finish, then saves: the update's time plus one save)
+        trial = broadcast_object(lp.run.dir / f".preflight-checkpoint-{os.getpid()}")
+        _sync(rt.device)
+        tic = time.perf_counter()
+        write_checkpoint(trial, {**lp.run.meta, "iteration": 0, "elapsed": 0.0}, lp.adapter, lp.params,
+                         a.lora_rank > 0, lp.optimizer, lp.ema, rt, "the preflight's trial checkpoint")
+        barrier()
+        save_s = time.perf_counter() - tic
+        if rt.is_main:
+            self.checkpoint_bytes = sum(f.stat().st_size for f in trial.rglob("*") if f.is_file())
+            shutil.rmtree(trial)
+        self.checkpoint_bytes = broadcast_object(self.checkpoint_bytes)
+        worst, grace = metrics.get("t_update", iteration_s) + save_s, shutdown_grace()
+        need = 2 * math.ceil(worst)
+        self.rows.append(_row("signal to checkpoint, s (worst)", f"{worst:.1f} (update {worst - save_s:.1f}, save "
+                              f"{save_s:.1f})", f"<= {grace:g} (torchrun's grace)" if grace else "",
+                              worst <= grace if grace else None, f"torchrun SIGKILLs {grace} s after SIGTERM: pass "
+                              f"torchrun --shutdown-timeout {need} (or set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={need}) and "
+                              f"have the scheduler signal that early (Slurm: --signal=TERM@{need})", warn=True))
         # ---- 5. Projection: the measured iteration and evaluation, multiplied out ----
         iters = a.iterations - self.start
         evals = sum(1 for i in range(self.start, a.iterations + 1) if a.eval_every and (i % a.eval_every == 0 or
@@ -2482,17 +2566,27 @@ class Preflight:
                            f"{iters} iterations, {evals} evaluations"),
                       _row("checkpoints on disk", f"{self.saves * self.checkpoint_bytes / 2**30:.2f} GiB",
                            f"{self.saves} x {self.checkpoint_bytes / 2**30:.3f} GiB")]
+        self.report({"measured": {"iteration_s": iteration_s, "eval_s": self.eval_s, "model_s": self.model_s,
+                                  "overhead": iteration_s / self.model_s if self.model_s else None,
+                                  "peak_bytes": peak, "total_bytes": self.total},
+                     "projection": {"iterations": iters, "evaluations": evals, "saves": self.saves, "hours": hours,
+                                    "device_hours": hours * rt.world_size, "checkpoint_bytes": self.checkpoint_bytes,
+                                    "disk_bytes": self.saves * self.checkpoint_bytes},
+                     "metrics": {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                 for k, v in metrics.items()}})
+
+    def failed(self, e: TrainingStopped):
+        """A scorer failed (on any rank): the table so far, with the failing row, and the run stops (exit 1)."""
+        self.rows.append(_row("rewards scored", str(e), "scores", False, "fix the scorer or its server"))
+        self.report({})
+
+    def report(self, extra: dict):
+        """Prints the table, writes it with `extra` to a new preflight.json and stops the run (exit 1 if any row
+        FAILed, else 0)."""
+        lp, rt = self.loop, self.loop.rt
         fails = int(all_ranks([sum(r[3] == "FAIL" for r in self.rows)], rt.device, dist.ReduceOp.MAX)[0])
         report = {"passed": not fails, "rows": [dict(zip(("check", "value", "expected", "status", "advice"), r))
-                                                for r in self.rows],
-                  "measured": {"iteration_s": iteration_s, "eval_s": self.eval_s, "model_s": self.model_s,
-                               "overhead": iteration_s / self.model_s if self.model_s else None,
-                               "peak_bytes": peak, "total_bytes": self.total},
-                  "projection": {"iterations": iters, "evaluations": evals, "saves": self.saves, "hours": hours,
-                                 "device_hours": hours * rt.world_size, "checkpoint_bytes": self.checkpoint_bytes,
-                                 "disk_bytes": self.saves * self.checkpoint_bytes},
-                  "metrics": {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                              for k, v in metrics.items()}}
+                                                for r in self.rows], **extra}
         names = (lp.run.dir / f"preflight{f'-{i}' if i else ''}.json" for i in itertools.count())
         path = broadcast_object(next(p for p in names if not p.exists()) if rt.is_main else None)  # keeps older ones
         if rt.is_main:
@@ -2507,7 +2601,7 @@ def preflight_table(rows: list[tuple]) -> str:
     """The rows as a Markdown table, each FAIL's advice on a line below it."""
     out = ["| check | value | expected | status |", "|---|---|---|---|"]
     out += [f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows]
-    return "\n".join(out + [f"FAIL {c}: {advice}" for c, _, _, s, advice in rows if s == "FAIL"])
+    return "\n".join(out + [f"{s} {c}: {advice}" for c, _, _, s, advice in rows if advice])
 
 
 # ==============================================================================================================

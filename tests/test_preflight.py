@@ -11,7 +11,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import ROOT, SMALL, read_metrics, run, torchrun_cmd
+from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd
 
 TOY = ["--model", "toy", *SMALL, "--iterations", "3", "--eval-every", "2", "--save-every", "1"]
 
@@ -37,7 +37,9 @@ def test_the_toy_passes_then_the_real_run_starts_in_the_same_folder(tmp_path):
     assert code == 0 and report["passed"] and not failed(report), report["rows"]
     r = rows(report)
     for check in ("weights identical on all ranks", "toy: right vs shifted prompts", "first update max abs(ratio - 1)",
-                  "first update KL", "gradients finite", "tensors with a gradient", "parameters moved"):
+                  "first update KL", "gradients finite", "tensors with a gradient", "parameters moved",
+                  "one step's size: max abs(ratio - 1)", "one step's size: approx KL",
+                  "gradient norm before clipping (largest)"):
         assert r[check]["status"] == "PASS", r[check]
     assert sorted(os.listdir(out)) == [".lock", "preflight.json"]  # no args.json, metrics or checkpoint (.lock: the
     # folder lock, which names the last holder)
@@ -78,8 +80,7 @@ class Constant(Blind):
 
 @pytest.mark.parametrize("reward,fails,advice", [
     ("blind", {"blind: right vs shifted prompts"}, "the score ignores the prompt"),
-    ("const", {"const: spread over images", "groups with all rewards equal", "tensors with a gradient"},
-     "advantage"),
+    ("const", {"const: spread over images", "groups with all rewards equal"}, "advantage"),
 ])
 def test_a_reward_that_ignores_the_prompt_or_is_constant_fails(reward, fails, advice, monkeypatch, tmp_path):
     monkeypatch.setitem(common.REWARDS, reward, {"blind": Blind, "const": Constant}[reward])
@@ -101,8 +102,9 @@ def test_a_lora_outside_the_forward_pass_and_a_nonfinite_gradient_fail(monkeypat
     monkeypatch.setattr(common.ToyAdapter, "lora_targets", ["attn.to_q", "unused_proj"])
     code, report = preflight([*TOY, "--lora-rank", "4", "--lora-alpha", "8"], tmp_path / "lora")
     r = rows(report)["tensors with a gradient"]
-    n = int(r["value"].split("/")[1])
-    assert code == 1 and failed(report) == {"tensors with a gradient"} and r["value"] == f"{n - 1}/{n}"
+    n = int(r["value"].split("/")[1].split()[0])      # unused_proj's A: exempt while its B, which nothing reaches, is 0
+    assert code == 1 and failed(report) == {"tensors with a gradient"}
+    assert r["value"] == f"{n - 1}/{n} (1 lora_A exempt while lora_B = 0)"
     assert "no gradient reaches unused_proj.lora_B" in r["advice"] and "the LoRA targets" in r["advice"]
 
     def nan_gradient(*args, **kwargs):
@@ -115,6 +117,53 @@ def test_a_lora_outside_the_forward_pass_and_a_nonfinite_gradient_fail(monkeypat
     n = int(r["value"].split("/")[1])
     assert code == 1 and failed(report) == {"gradients finite", "parameters moved"} and r["value"] == f"{n - 1}/{n}"
     assert "NaN / inf gradients" in r["advice"]
+
+
+def test_a_learning_rate_that_blows_the_model_up_fails_on_the_step_size(tmp_path):
+    """--lr 1: the second optimizer step scores its micro-batches after a first step that wrecked the policy."""
+    code, report = preflight([*TOY, "--lr", "1"], tmp_path / "run")
+    r = rows(report)
+    assert code == 1 and {"one step's size: max abs(ratio - 1)", "one step's size: approx KL"} <= failed(report)
+    assert float(r["one step's size: approx KL"]["value"]) > 1e3 and "lower --lr" in r["one step's size: approx KL"][
+        "advice"]
+    assert r["gradient norm before clipping (largest)"]["status"] == "WARN"
+
+
+def test_the_sd3_lora_passes_every_gradient_row_naming_the_tensor_no_loss_reaches(tmp_path):
+    """SD3's last joint block is context_pre_only: the text stream's output is dropped, so the LoRA on its context
+    query gets an exactly zero gradient from any loss. The probe finds it; nothing else is exempt."""
+    argv = [*tiny_argv("flow_grpo", "sd3"), "--iterations", "1", "--eval-every", "1", "--lora-rank", "4"]
+    code, report = preflight(argv, tmp_path / "run")
+    r = rows(report)
+    assert r["tensors with a gradient"]["status"] == "PASS", r["tensors with a gradient"]
+    assert re.fullmatch(r"(\d+)/\1 \(1 cannot get one: transformer_blocks\.(\d+)\.attn\.add_q_proj\.lora_B.*\)",
+                        r["tensors with a gradient"]["value"]), r["tensors with a gradient"]
+    assert {"gradients finite", "tensors with a gradient", "parameters moved"}.isdisjoint(failed(report))
+
+
+class Broken(Blind):
+    def __call__(self, images, prompts, metadata=None):
+        raise RuntimeError("the scorer's server answered 503")
+
+
+def test_a_failing_scorer_writes_the_table_with_its_row(monkeypatch, tmp_path):
+    monkeypatch.setitem(common.REWARDS, "broken", Broken)
+    code, report = preflight([*TOY, "--reward", "broken"], tmp_path / "run")
+    r = rows(report)["rewards scored"]
+    assert code == 1 and failed(report) == {"rewards scored"} and "503" in r["value"]
+    assert rows(report)["weights identical on all ranks"]["status"] == "PASS"   # the rows before it
+
+
+def test_a_checkpoint_slower_than_the_launchers_grace_warns_with_the_flag_to_pass(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "0.001")
+    code, report = preflight(TOY, tmp_path / "run")
+    r = rows(report)["signal to checkpoint, s (worst)"]
+    assert code == 0 and r["status"] == "WARN" and "--shutdown-timeout" in r["advice"] and "--signal=TERM@" in r[
+        "advice"]
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "3600")
+    code, report = preflight(TOY, tmp_path / "run2")
+    assert rows(report)["signal to checkpoint, s (worst)"]["status"] == "PASS"
 
 
 WRAPPER = """import os, sys

@@ -568,7 +568,8 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
     (tmp_path / "a_file").write_text("x")
     err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
                                           str(tmp_path / "a_file" / "run")])
-    assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable folder" in err
+    folder = tmp_path / "a_file" / "run"
+    assert f"cannot write to --output-dir {folder} (Not a directory): pass a writable folder" in err
 
 
 def test_the_real_entry_point_prints_one_line(tmp_path):
