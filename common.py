@@ -1096,7 +1096,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
     process, is first checkpointed by its TrainingLoop (`after_failure`)."""
     prog = Path(sys.argv[0]).name
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    TrainingLoop.active = None
+    TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     try:
         try:
             main(cli(args_cls, argv, model_defaults))
@@ -1111,7 +1111,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
         print0(f"{prog}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     finally:
-        TrainingLoop.active = None
+        TrainingLoop.active, _SIGNALLED["signum"] = None, 0
         for s, h in handlers.items():
             signal.signal(s, h)
         _release_folder()
@@ -1415,16 +1415,22 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt)
 
     def stop_if_signalled(self, it: int):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (not under
-        --preflight) and stop."""
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called
+        at the start of each iteration, after each rollout micro-batch and before the update (the rollout is dropped:
+        no optimizer step has run). Nothing is saved under --preflight, nor at the start of a fresh run, whose state
+        is the base model's: the same command starts it again."""
         signum = signalled(self.rt.device)
-        if signum and self.preflight:
-            raise TrainingStopped(f"preflight stopped by {signal.Signals(signum).name}; nothing was saved",
-                                  exit_code=128 + signum)
-        if signum:
-            self.save(it)
-            raise TrainingStopped(f"stopped by {signal.Signals(signum).name} at iteration {it}, checkpoint "
-                                  f"saved; continue with --resume {self.run.dir}", exit_code=128 + signum)
+        if not signum:
+            return
+        name, code = signal.Signals(signum).name, 128 + signum
+        if self.preflight:
+            raise TrainingStopped(f"preflight stopped by {name}; nothing was saved", exit_code=code)
+        if it == self.run.start and self.run.checkpoint is None:
+            raise TrainingStopped(f"stopped by {name} before the first update; nothing to save: run the same command "
+                                  f"to start again", exit_code=code)
+        self.save(it)
+        raise TrainingStopped(f"stopped by {name} at iteration {it}, checkpoint saved; continue with --resume "
+                              f"{self.run.dir}", exit_code=code)
 
     def after_failure(self, e: Exception):
         """Ends a run stopped by exception `e` (run_cli calls it), keeping what it can, by raising the TrainingStopped

@@ -316,6 +316,7 @@ def main(args: Args) -> dict:
         transformer.eval()
         with torch.no_grad():
             for i in range(0, N, mb):
+                loop.stop_if_signalled(it)                   # a signal drops the rollout
                 c = common.cond_select(cond, slice(i, i + mb))
                 # [Flow-GRPO-Fast] the window: W steps from k0, drawn anew for each rollout micro-batch
                 k0 = int(torch.randint(starts[0], starts[1] + 1, (1,), generator=gen)) if args.sde_window else 0

@@ -353,6 +353,7 @@ def main(args: Args) -> dict:
             fwd = adapter.counts["fwd"]
             anchor, velocities, finals = [], [], []          # (B, n_sde, ...), (B, n_sde, ...), (B, ...)
             for rows in chunks:
+                loop.stop_if_signalled(it)                   # a signal drops the rollout
                 c = common.cond_select(cond, rows)
                 z = adapter.noise(rows.stop - rows.start, gen)
                 zs, vs = [], []
@@ -380,6 +381,7 @@ def main(args: Args) -> dict:
             branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
             latents = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
             for k in range(n_sde):
+                loop.stop_if_signalled(it)
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
                 latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)

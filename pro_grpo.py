@@ -369,6 +369,7 @@ def main(args: Args) -> dict:
             z = adapter.noise(B * G, gen)                     # (B*G, ...) z_0, independent per trajectory
             zs, lps = [z], []                                 # per step: (|S|, ...) and (|S|,), rows = alive
             for k in range(T + 1):
+                loop.stop_if_signalled(it)                    # a signal drops the rollout
                 if k < T:  # v(z_k): the SDE step's velocity, and the preview's at a checkpoint (no extra call)
                     v = torch.cat([adapter.velocity(net, z[i:i + mb], sigmas[k],
                                                     common.cond_select(cond, alive[i:i + mb] // G))

@@ -365,8 +365,12 @@ def main(args: Args) -> dict:
         owners = [r for r in records for _ in range(G)]      # (N,) prompt-major: a group is G consecutive rows
         cond = common.cond_repeat(adapter.encode(texts), G)
         transformer.eval()
-        samples = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + mb)),  # (N, ...) o_i
-                                               adapter.noise(mb, gen), sigmas) for i in range(0, N, mb)])
+        samples = []                                         # (N, ...) o_i
+        for i in range(0, N, mb):
+            loop.stop_if_signalled(it)                       # a signal drops the rollout
+            samples.append(common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + mb)),
+                                             adapter.noise(mb, gen), sigmas))
+        samples = torch.cat(samples)
         t_rollout = time.time() - tic
 
         # [V-GRPO, group-shared timestep-noise pairs; ELBO surrogate] pairs drawn per prompt (or batch); then
@@ -377,6 +381,7 @@ def main(args: Args) -> dict:
         surrogate_old, x_hat_old = [], []                    # (N,) and (N, J, ...)
         with torch.no_grad():
             for i in range(0, N, mb):
+                loop.stop_if_signalled(it)
                 idx = slice(i, i + mb)
                 x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], common.cond_select(cond, idx))
                 surrogate_old.append(pair_losses(x_hat, samples[idx], args.self_normalize).mean(1))

@@ -141,6 +141,15 @@ def test_the_sd3_lora_passes_every_gradient_row_naming_the_tensor_no_loss_reache
     assert {"gradients finite", "tensors with a gradient", "parameters moved"}.isdisjoint(failed(report))
 
 
+def test_a_v_grpo_lora_on_the_toy_counts_the_gradients_of_the_whole_iteration(tmp_path):
+    """v_grpo's first optimizer step can hold only tied groups (no gradient at all); the iteration's others do."""
+    import v_grpo
+    with pytest.raises(common.TrainingStopped) as stop:
+        run(v_grpo, ["--lora-rank", "4", "--lora-alpha", "8", "--output-dir", str(tmp_path / "r"), "--preflight"])
+    report = json.loads((tmp_path / "r" / "preflight.json").read_text())
+    assert stop.value.exit_code == 0 and rows(report)["tensors with a gradient"]["value"] == "60/60"
+
+
 class Broken(Blind):
     def __call__(self, images, prompts, metadata=None):
         raise RuntimeError("the scorer's server answered 503")

@@ -1,0 +1,127 @@
+"""A preempted run keeps its work: SIGTERM during the rollout stops at the next rollout micro-batch and saves the
+iteration's starting state (the rollout is dropped, no optimizer step has run); during the update, the update
+finishes and its result is saved. Either checkpoint resumes bitwise into the run that was never stopped."""
+import importlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import common
+from helpers import (ROOT, SMALL, SMALL_SIZES, TRAINERS, read_metrics, run, small, torchrun, torchrun_cmd,
+                     trained_params, without_timings)
+
+FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
+
+
+def signal_in(phase: str, iteration: int, monkeypatch) -> list:
+    """Makes the model send this process SIGTERM at its first velocity call of `phase` ("rollout": without
+    gradient, "update": with) in `iteration`; returns the list of the rollout calls of that iteration that
+    follow it."""
+    load, after = common.load_model, []
+
+    def loaded(*args, **kwargs):
+        adapter = load(*args, **kwargs)
+        velocity = adapter.velocity
+
+        def signalling(*a, **k):
+            loop = common.TrainingLoop.active
+            if loop is not None and loop.it == iteration:
+                in_phase = torch.is_grad_enabled() == (phase == "update")
+                if after or (in_phase and common._SIGNALLED["signum"]):
+                    after.append(torch.is_grad_enabled())
+                elif in_phase:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return velocity(*a, **k)
+        adapter.velocity = signalling
+        return adapter
+    monkeypatch.setattr(common, "load_model", loaded)
+    return after
+
+
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_signal_saves_the_iteration_it_can_and_resumes_bitwise(trainer, phase, tmp_path, monkeypatch):
+    module = importlib.import_module(trainer)
+    argv = ["--model", "toy", *SMALL, *FITS_SMALL.get(trainer, []), "--eval-every", "0", "--seed", "3"]
+    r = tmp_path / "r"
+    after = signal_in(phase, 1, monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, [*argv, "--iterations", "3",
+                                                                         "--output-dir", str(r)])
+    assert stop.value.code == 128 + signal.SIGTERM
+    saved = 1 if phase == "rollout" else 2                  # the rollout is dropped; the update is finished
+    assert (r / "checkpoints" / "latest").read_text() == f"iter_{saved:06d}"
+    if phase == "rollout":                                  # only the micro-batch under way finishes
+        assert 0 < len(after) < SMALL_SIZES["sample_steps"] and not any(after), after
+    monkeypatch.undo()
+    run(module, [*argv, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(module, [*argv, "--iterations", "3", "--output-dir", str(tmp_path / "straight")])
+    assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 3), trained_params(tmp_path / "straight", 3)))
+
+
+def test_a_signal_before_the_first_update_of_a_fresh_run_saves_nothing(tmp_path, monkeypatch, capsys):
+    import flow_grpo
+    argv = ["--model", "toy", *SMALL, "--eval-every", "0", "--iterations", "2", "--output-dir", str(tmp_path / "r")]
+    signal_in("rollout", 0, monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, argv)
+    assert stop.value.code == 128 + signal.SIGTERM and not (tmp_path / "r" / "checkpoints").exists()
+    assert "nothing to save: run the same command to start again" in capsys.readouterr().err
+    monkeypatch.undo()
+    run(flow_grpo, argv)                                    # the same command
+    assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]
+
+
+# Under torchrun: SIGTERM, then SIGKILL after --shutdown-timeout. The rollout's model calls are slowed so that an
+# iteration takes longer than that timeout; a stop at the next rollout micro-batch, or after the update, does not.
+SLOW = """import os, sys, time, pathlib
+sys.path.insert(0, {root!r})
+import torch, common, flow_grpo
+load, out = common.load_model, pathlib.Path(sys.argv[sys.argv.index("--output-dir") + 1])
+def slowed(*args, **kwargs):
+    adapter = load(*args, **kwargs)
+    velocity = adapter.velocity
+    def slow(*a, **k):
+        loop = common.TrainingLoop.active
+        if loop is not None and loop.it == 1 and os.environ["RANK"] == "0":
+            phase = "update" if torch.is_grad_enabled() else "rollout"
+            (out / f"in-{{phase}}").touch()
+        time.sleep(0.05 if torch.is_grad_enabled() else 0.8)
+        return velocity(*a, **k)
+    adapter.velocity = slow
+    return adapter
+common.load_model = slowed
+common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+def test_sigterm_to_torchrun_within_its_shutdown_timeout_leaves_a_checkpoint_that_resumes_bitwise(phase, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW.format(root=str(ROOT)))
+    argv = ["--model", "toy", *small(without=("prompts_per_step", "eval_every")), "--prompts-per-step", "4",
+            "--eval-every", "0", "--iterations", "3"]
+    r = tmp_path / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = torchrun_cmd(script, [*argv, "--output-dir", r])
+    cmd.insert(cmd.index("--nproc_per_node=2"), "--shutdown-timeout=5")   # a rollout alone takes 2 x 4 x 0.8 s
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while not (r / f"in-{phase}").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    saved = 1 if phase == "rollout" else 2
+    assert f"stopped by SIGTERM at iteration {saved}, checkpoint saved" in err, err[-3000:]
+    assert "SIGKILL" not in err and (r / "checkpoints" / "latest").read_text() == f"iter_{saved:06d}", err[-3000:]
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(r), "--resume", str(r)])
+    torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")])
+    assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 3), trained_params(tmp_path / "straight", 3)))
