@@ -83,15 +83,19 @@ SLOW = """import os, sys, time, pathlib
 sys.path.insert(0, {root!r})
 import torch, common, flow_grpo
 load, out = common.load_model, pathlib.Path(sys.argv[sys.argv.index("--output-dir") + 1])
+updating = set()  # the iterations whose update has begun (a call with gradient)
 def slowed(*args, **kwargs):
     adapter = load(*args, **kwargs)
     velocity = adapter.velocity
     def slow(*a, **k):
         loop = common.TrainingLoop.active
-        if loop is not None and loop.it == 1 and os.environ["RANK"] == "0":
-            phase = "update" if torch.is_grad_enabled() else "rollout"
+        it = loop.it if loop is not None else -1
+        if torch.is_grad_enabled():
+            updating.add(it)
+        phase = "update" if it in updating else "rollout"
+        if it == 1 and os.environ["RANK"] == "0":
             (out / f"in-{{phase}}").touch()
-        time.sleep(0.05 if torch.is_grad_enabled() else 0.8)
+        time.sleep(0.8 if phase == "rollout" else 0.05)
         return velocity(*a, **k)
     adapter.velocity = slow
     return adapter
