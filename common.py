@@ -2611,7 +2611,7 @@ class Preflight:
 
 
 def preflight_table(rows: list[tuple]) -> str:
-    """The rows as a Markdown table, each FAIL's advice on a line below it."""
+    """The rows as a Markdown table, the advice of each FAIL and WARN on a line below it."""
     out = ["| check | value | expected | status |", "|---|---|---|---|"]
     out += [f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows]
     return "\n".join(out + [f"{s} {c}: {advice}" for c, _, _, s, advice in rows if advice])
