@@ -543,7 +543,22 @@ def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
         size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
     x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
     (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
-    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
+    return normalise(x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw], config)
+
+
+def resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
+    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the
+    longer side to `size` and the other to round(side * scale), then zeros padded to size x size around the centre
+    (the odd pixel at the bottom / right)."""
+    (h, w), scale = images.shape[-2:], size / max(images.shape[-2:])
+    new = (round(h * scale), round(w * scale))
+    x = F.interpolate(images.float(), size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    ph, pw = size - new[0], size - new[1]
+    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+
+
+def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
+    """(x - image_mean) / image_std per channel, from an image processor's to_dict() config."""
     mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
     return (x - mean) / std
 
@@ -566,10 +581,13 @@ class _CLIPSimilarity:
         from transformers import CLIPModel
         return CLIPModel.from_pretrained(model_id, dtype=dtype)
 
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return clip_preprocess(images, self.image_config)
+
     @torch.no_grad()
     def cosine(self, images, prompts) -> torch.Tensor:
         """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        pixels = self.preprocess(images.to(self.device)).to(self.dtype)
         text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                               return_tensors="pt").to(self.device)
         # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
@@ -660,8 +678,8 @@ class HPSv2(_CLIPSimilarity):
     """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
     scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
     open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
-    resize runs on the float images (clip_preprocess), where the hpsv2 package resizes 8-bit PIL images (PIL
-    bicubic, then the same centre crop): the same pixels for 224 px images, up to 4e-3 (of 1) apart at 256 x 320."""
+    preprocessing is the hpsv2 package's: the longer side resized to 224, black padding to a square, normalised
+    (resize_max_size). The package resizes the 8-bit PIL image (PIL bicubic); here the float images are resized."""
 
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
 
@@ -693,6 +711,9 @@ class HPSv2(_CLIPSimilarity):
                                f"a new tensor)")
         return model
 
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return normalise(resize_max_size(images, self.image_config["crop_size"]["height"]), self.image_config)
+
     def __call__(self, images, prompts, metadata=None):
         return self.cosine(images, prompts)
 
@@ -705,6 +726,7 @@ class CLIPScoreH(HPSv2):
     images, as HPSv2's)."""
 
     quick_gelu = True
+    preprocess = _CLIPSimilarity.preprocess
 
     def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
                  processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):

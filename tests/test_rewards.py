@@ -24,6 +24,7 @@ import torch
 
 import common
 import flow_grpo
+import helpers
 from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd, trained_params
 
 
@@ -432,3 +433,45 @@ def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0]  # iteration 0 logged; 1 stopped both
     assert text.count(f"checkpoint iter_000001 saved: continue with --resume {tmp_path / 'r'}") == 1  # rank 0
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+def pil_resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
+    """open_clip's ResizeMaxSize as the hpsv2 package runs it, written with PIL: each channel resized as a float
+    image (PIL bicubic, clipped to [0, 1] as an 8-bit image is), the longer side to `size`, then black borders,
+    (left, top, right, bottom) = (pad_w // 2, pad_h // 2, the rest)."""
+    from PIL import Image
+    height, width = images.shape[-2:]
+    scale = size / float(max(height, width))
+    new_h, new_w = round(height * scale), round(width * scale)
+    out = np.zeros((len(images), 3, size, size), np.float32)
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    for n, image in enumerate(images.numpy()):
+        for c, channel in enumerate(image):
+            resized = np.asarray(Image.fromarray(channel, mode="F").resize((new_w, new_h), Image.BICUBIC))
+            out[n, c, top:top + new_h, left:left + new_w] = np.clip(resized, 0, 1)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("height,width", [(512, 768), (768, 512), (512, 512)])
+def test_hpsv2_feeds_its_vision_tower_the_hpsv2_packages_padded_pixels(height, width, tmp_path, monkeypatch):
+    """What the vision tower receives: ResizeMaxSize's black-padded square, normalised (padding -mean/std), while
+    CLIPScoreH squashes the whole image to the square."""
+    from test_reward_models import IMAGE, OPENAI_MEAN, OPENAI_STD, _open_clip_state, _save_checkpoint, _save_processor
+    tok = helpers.tokenizer()
+    _save_processor(tmp_path / "clip-h", tok, tok.eos_token_id)
+    _save_checkpoint(tmp_path / "hps", _open_clip_state(len(tok)))
+    images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(3))
+    mean, std = torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1), torch.tensor(OPENAI_STD).view(1, 3, 1, 1)
+    for scorer, expected in [
+        (common.HPSv2(model_id=str(tmp_path / "hps"), processor_id=str(tmp_path / "clip-h")),
+         pil_resize_max_size(images, IMAGE)),
+        (common.CLIPScoreH(model_id=str(tmp_path / "hps"), filename="HPS_v2.1_compressed.pt",
+                           processor_id=str(tmp_path / "clip-h")),
+         torch.nn.functional.interpolate(images, size=(IMAGE, IMAGE), mode="bicubic", antialias=True).clamp(0, 1))]:
+        seen, features = [], scorer.model.get_image_features
+        monkeypatch.setattr(scorer.model, "get_image_features", lambda pixel_values, seen=seen, features=features:
+                            seen.append(pixel_values) or features(pixel_values=pixel_values))
+        scorer(images, ["a cat", "a dog"])
+        torch.testing.assert_close(seen[0], (expected - mean) / std, rtol=0, atol=2e-5)
+    hps = (pil_resize_max_size(images, IMAGE) - mean) / std  # the two differ but on a square image
+    assert torch.allclose(seen[0], hps, rtol=0, atol=2e-5) == (height == width)
