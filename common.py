@@ -531,6 +531,17 @@ def hub_file(repo_or_folder: str, filename: str) -> str:
     return hf_hub_download(repo_or_folder, filename)
 
 
+def check_scorer_files(names):
+    """Refuses, while HF_HUB_OFFLINE is set, a scorer of `names` whose `hub_files` ((repo, file) pairs it loads; none
+    for rule-based and remote ones) are not in the hub cache."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    for name in names if constants.HF_HUB_OFFLINE else ():
+        for repo, filename in getattr(REWARDS.get(name), "hub_files", ()):
+            if not isinstance(try_to_load_from_cache(repo, filename), str):
+                raise UsageError(f"--reward {name} needs {repo} ({filename}), not in the hub cache while offline "
+                                 f"(HF_HUB_OFFLINE): download it with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+
+
 def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
     """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
     resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
@@ -561,6 +572,9 @@ def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
     """(x - image_mean) / image_std per channel, from an image processor's to_dict() config."""
     mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
     return (x - mean) / std
+
+
+CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
 
 
 class _CLIPSimilarity:
@@ -605,8 +619,9 @@ class PickScore(_CLIPSimilarity):
     (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
 
     divisor = 26.0
+    hub_files = (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json"))
 
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H,
                  device="cpu", dtype=torch.float32):
         super().__init__(model_id, processor_id, device, dtype)
 
@@ -615,8 +630,9 @@ class CLIPScore(_CLIPSimilarity):
     """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
 
     divisor = 30.0
+    hub_files = ((CLIP_L, "config.json"),)
 
-    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+    def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
         super().__init__(model_id, None, device, dtype)
 
 
@@ -682,9 +698,10 @@ class HPSv2(_CLIPSimilarity):
     (resize_max_size). The package resizes the 8-bit PIL image (PIL bicubic); here the float images are resized."""
 
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
+    hub_files = (("xswu/HPSv2", "HPS_v2.1_compressed.pt"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         self.filename = filename
         super().__init__(model_id, processor_id, device, dtype)
 
@@ -727,9 +744,10 @@ class CLIPScoreH(HPSv2):
 
     quick_gelu = True
     preprocess = _CLIPSimilarity.preprocess
+    hub_files = (("apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         super().__init__(model_id, filename, processor_id, device, dtype)
         side = self.image_config["crop_size"]["height"]
         self.image_config["size"] = {"height": side, "width": side}
@@ -740,9 +758,11 @@ class Aesthetic:
     on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
     reads_prompt = False
+    hub_files = (("camenduru/improved-aesthetic-predictor", "sac+logos+ava1-l14-linearMSE.pth"),
+                 (CLIP_L, "config.json"))
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
-                 clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+                 clip_id=CLIP_L, device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
         self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
         self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
@@ -795,6 +815,7 @@ class OCRScore:
     explicitly: the checkpoint's generation config sets no end token."""
 
     reads_prompt = True
+    hub_files = (("stepfun-ai/GOT-OCR-2.0-hf", "config.json"),)
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -1317,32 +1338,41 @@ def setup_training(args) -> Runtime:
 
 def check_model(name: str, path: str | None, reward: str | None = None):
     """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
-    that is not a pipeline, a hub repository not in the cache while offline, a malformed random:N) and a --reward
-    that does not fit the model (the toy world's rewards read only its 16x16 shapes)."""
-    if reward is not None and name != "toy" and {n for n, _ in parse_reward_spec(reward)} & {"toy", "toy-soft"}:
+    that is not a pipeline or whose model_index.json or transformer/config.json is not a JSON object, a hub
+    repository not in the cache while offline, a malformed random:N) and a --reward that does not fit the model (the
+    toy world's rewards read only its 16x16 shapes) or whose scorer's files are not in the hub cache while offline
+    (check_scorer_files)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    names = {n for n, _ in parse_reward_spec(reward)} if reward is not None else set()
+    if name != "toy" and names & {"toy", "toy-soft"}:
         raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
                          f"another --reward")
+    repo = path or HUB_IDS.get(name)
     if (path or "").startswith("random"):
         random_depth(path)
-        return
-    if name == "toy":
+    elif name == "toy":
         root = Path(path) if path else ASSETS / "toy"
         if not (root / "transformer").is_dir():
             raise UsageError(f"no toy weights in {root} (transformer/): run `python tests/pretrain_toy.py --out "
                              f"{root}` or fix --model-path")
-        return
-    repo = path or HUB_IDS[name]
-    if Path(repo).exists():
+    elif Path(repo).exists():
         if not (Path(repo) / "model_index.json").is_file():
             raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
                              f"folder saved with save_pretrained, a hub id, or random")
-        return
-    if repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
+        for config in (Path(repo) / "model_index.json", Path(repo) / "transformer" / "config.json"):
+            try:
+                ok = isinstance(json.loads(config.read_text()), dict)
+            except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
+                ok = False
+            if not ok:
+                raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
+                                 f"again (save_pretrained) or download it again")
+    elif repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
         raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
-    from huggingface_hub import constants, try_to_load_from_cache
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
+    elif constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
         raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
-                         f"with `huggingface-cli download {repo}`, or set HF_HUB_OFFLINE=0")
+                         f"with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+    check_scorer_files(names)
 
 
 def micro_batches_per_update(n: int, micro_batch: int, updates: int,
@@ -2698,6 +2728,7 @@ def serve_reward(argv=None):
     except OSError as e:
         refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
     try:
+        check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
     except UsageError as e:
         refuse(str(e))

@@ -4,6 +4,7 @@ line instead of a zero reward."""
 import base64
 import contextlib
 import http.client
+import importlib
 import io
 import json
 import math
@@ -475,3 +476,63 @@ def test_hpsv2_feeds_its_vision_tower_the_hpsv2_packages_padded_pixels(height, w
         torch.testing.assert_close(seen[0], (expected - mean) / std, rtol=0, atol=2e-5)
     hps = (pil_resize_max_size(images, IMAGE) - mean) / std  # the two differ but on a square image
     assert torch.allclose(seen[0], hps, rtol=0, atol=2e-5) == (height == width)
+
+
+# Each in-process scorer and the hub repositories it loads, its own first; the others need no files.
+CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
+SCORER_REPOS = {"pickscore": ["yuvalkirstain/PickScore_v1", CLIP_H], "clipscore": [CLIP_L],
+                "hpsv2": ["xswu/HPSv2", CLIP_H], "clipscore-h": ["apple/DFN5B-CLIP-ViT-H-14", CLIP_H],
+                "aesthetic": ["camenduru/improved-aesthetic-predictor", CLIP_L], "ocr": ["stepfun-ai/GOT-OCR-2.0-hf"]}
+NO_FILES = ["toy", "toy-soft", "jpeg", "imagereward"]  # imagereward's package keeps its own download folder
+
+
+@pytest.fixture
+def empty_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE set and an empty hub cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def cache_file(hub: Path, repo: str, filename: str):
+    """A file in the hub cache's layout: models--OWNER--NAME/refs/main -> snapshots/COMMIT/filename."""
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text("0" * 40)
+    (folder / "snapshots" / ("0" * 40)).mkdir(parents=True, exist_ok=True)
+    (folder / "snapshots" / ("0" * 40) / filename).write_text("{}")
+
+
+def test_every_registry_scorer_says_which_hub_files_it_needs():
+    assert sorted(common.REWARDS) == sorted([*SCORER_REPOS, *NO_FILES])
+    for name, repos in SCORER_REPOS.items():
+        assert [repo for repo, _ in common.REWARDS[name].hub_files] == repos, name
+    assert not any(getattr(common.REWARDS[name], "hub_files", ()) for name in NO_FILES)
+
+
+@pytest.mark.parametrize("name", SCORER_REPOS)
+def test_a_scorer_not_in_the_hub_cache_is_one_line_before_anything_is_written(name, empty_hub, tmp_path, capsys,
+                                                                             monkeypatch):
+    """In each trainer, `common.py evaluate` and `common.py serve-reward`; then each of its repositories is named in
+    turn until all are cached, when it loads."""
+    from helpers import TRAINERS
+    monkeypatch.setattr(common.REWARDS[name], "__init__", lambda *a, **k: pytest.fail("the scorer loaded"))
+    repo = SCORER_REPOS[name][0]
+    calls = [lambda t=t: common.run_cli(importlib.import_module(t).main, importlib.import_module(t).Args,
+                                        importlib.import_module(t).MODEL_DEFAULTS,
+                                        ["--reward", name, "--output-dir", str(tmp_path / "run")]) for t in TRAINERS]
+    calls += [lambda: common.evaluate_main(["--model", "toy", "--reward", name, "--output", str(tmp_path / "run")]),
+              lambda: common.serve_reward(["--reward", name, "--port", "0"])]
+    for call in calls:
+        with pytest.raises(SystemExit) as stop:
+            call()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"error: --reward {name} needs {repo} " in err and f"`hf download {repo}`" in err, err
+        assert not (tmp_path / "run").exists()
+    for repo, filename in common.REWARDS[name].hub_files:
+        with pytest.raises(common.UsageError, match=re.escape(f"needs {repo} ({filename})")):
+            common.check_scorer_files(["jpeg", name])
+        cache_file(empty_hub, repo, filename)
+    common.check_scorer_files([name, "toy", "remote:http://127.0.0.1:1/x"])

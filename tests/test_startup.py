@@ -31,9 +31,15 @@ STARTUP = [
     ("all", ["--model-path", "/nonexistent"], "no toy weights in /nonexistent"),
     ("all", ["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
     ("all", ["--model", "flux", "--model-path", NO_PIPELINE], "is not a diffusers pipeline folder"),
+    ("all", ["--model", "flux", "--model-path", "{tmp}/cut_short"], "cut_short/transformer/config.json is missing "
+                                                                    "or not a JSON object: save the pipeline again"),
+    ("all", ["--model", "sd3", "--model-path", "{tmp}/no_transformer"], "no_transformer/transformer/config.json is "
+                                                                        "missing or not a JSON object"),
+    ("all", ["--model", "sd3", "--model-path", "{tmp}/bad_index"], "bad_index/model_index.json is missing or not "
+                                                                   "a JSON object"),
     ("all", ["--model", "sd3", "--model-path", "nobody/no-such-model"],
      "the model repository nobody/no-such-model is not in the hub cache and HF_HUB_OFFLINE is set: download it "
-     "with `huggingface-cli download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
+     "with `hf download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
     ("all", ["--model", "flux", "--resolution", "0"], "--resolution 0 must be at least 16"),
     ("all", ["--model", "sd3", "--resolution", "7"], "--resolution 7 must be at least 16"),
     ("all", ["--model", "flux", "--resolution", "-16"], "--resolution -16 must be at least 16"),
@@ -84,11 +90,18 @@ STARTUP = [
 
 
 def make_files(tmp: Path):
-    """The files the table names: a folder that is not a pipeline, a .jsonl nested 100,000 deep, a run whose
-    checkpoints have a corrupt checkpoint.json and one naming an unknown model."""
+    """The files the table names: a folder that is not a pipeline, pipelines with a damaged or missing config, a
+    .jsonl nested 100,000 deep, a run whose checkpoints have a corrupt checkpoint.json and one naming an unknown
+    model."""
     (tmp / "not_a_pipeline").mkdir()
     (tmp / "not_a_pipeline" / "config.json").write_text("{}")
     (tmp / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for name, index, config in [("cut_short", "{}", '{"_class_name": "Flux'), ("no_transformer", "{}", None),
+                                ("bad_index", "[]", "{}")]:  # a truncated config, none, an index not an object
+        (tmp / name / "transformer").mkdir(parents=True)
+        (tmp / name / "model_index.json").write_text(index)
+        if config is not None:
+            (tmp / name / "transformer" / "config.json").write_text(config)
     for name, info in [("iter_000001", '{"model": "toy", "iter'), ("iter_000002", '{"model": "sdxl", "iteration": 2}')]:
         folder = tmp / "run0" / "checkpoints" / name
         folder.mkdir(parents=True)
