@@ -900,6 +900,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             out[name] = math.nan
         if not math.isfinite(out[name]):
             raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
+        if abs(out[name]) > torch.finfo(torch.float32).max:
+            raise UsageError(f"weight {w} for reward {name!r} in --reward {spec!r} is beyond float32, where rewards "
+                             f"are summed: use a smaller weight")
     return list(out.items())
 
 

@@ -302,6 +302,14 @@ def test_a_run_with_two_rewards_logs_each_one(tmp_path):
     assert first["reward_jpeg"] < 0 and first["eval_reward_se"] > 0
 
 
+def test_a_reward_weight_beyond_float32_is_refused():
+    big = torch.finfo(torch.float32).max
+    assert common.parse_reward_spec(f"toy:{big!r},jpeg:-3e38") == [("toy", big), ("jpeg", -3e38)]
+    for spec in ["toy:1e39", "jpeg:-3.5e38", "toy,remote:http://h:1/x:4e38"]:
+        with pytest.raises(common.UsageError, match=r"weight \S+ for reward .* is beyond float32"):
+            common.parse_reward_spec(spec)
+
+
 def test_bad_remote_specs_name_the_syntax():
     for spec in ["remote:127.0.0.1:8000/jpeg", "remote:http://127.0.0.1:8000/", "remote:http://h:1/x:heavy"]:
         with pytest.raises(common.UsageError, match="remote:http://HOST:PORT/NAME|bad weight"):

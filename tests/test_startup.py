@@ -64,6 +64,7 @@ STARTUP = [
     ("all", ["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
                                                         "checkpoint of these trainers or it is corrupt (it must name "
                                                         "one of the models toy, flux, sd3"),
+    ("all", ["--reward", "toy:1e39"], "weight 1e39 for reward 'toy' in --reward 'toy:1e39' is beyond float32"),
     ("all", ["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
     ("all", ["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
     ("pro_grpo", ["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
