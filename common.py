@@ -2653,7 +2653,8 @@ def serve_reward(argv=None):
     """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
     http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
     batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
-    error 500; a client that stalls for --timeout seconds is dropped, one that leaves early is one line on stderr."""
+    error 500; a client that has not sent its whole request --timeout seconds after connecting (however it trickles)
+    is dropped, one that leaves early is one line on stderr."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
@@ -2662,13 +2663,16 @@ def serve_reward(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may stall before it is dropped")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a client has to send its request")
     a = ap.parse_args(argv)
 
     def refuse(message: str):
         ap.exit(2, f"{ap.prog}: error: {message}\n")
     if not 0 <= a.port <= 65535:
         refuse(f"--port {a.port} must be between 0 and 65535")
+    for flag, value in [("--timeout", a.timeout), ("--max-request-mb", a.max_request_mb)]:
+        if not (math.isfinite(value) and value > 0):
+            refuse(f"{flag} {value:g} must be a finite number above 0")
     scorer, lock = None, threading.Lock()  # one batch at a time on the model
 
     def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
@@ -2689,7 +2693,20 @@ def serve_reward(argv=None):
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = a.timeout
+        timeout = a.timeout  # for each read and write; the request as a whole has the deadline below
+
+        def setup(self):
+            super().setup()
+            self.deadline = threading.Timer(a.timeout, self.cut_off)
+            self.deadline.start()
+
+        def cut_off(self):
+            with contextlib.suppress(OSError):  # already closed
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def finish(self):
+            self.deadline.cancel()
+            super().finish()
 
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
@@ -2700,6 +2717,9 @@ def serve_reward(argv=None):
             if int(size) > a.max_request_mb * 2**20:
                 return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
             raw = self.rfile.read(int(size))
+            self.deadline.cancel()  # received: the time to score it is the server's own
+            if len(raw) < int(size):
+                raise ConnectionError(f"{len(raw)} of {size} bytes came within --timeout {a.timeout:g} s")
             try:
                 batch = decode(raw)
             except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error

@@ -238,13 +238,48 @@ def test_the_server_answers_400_to_a_bad_request_413_to_a_huge_one_and_drops_sta
     assert "Traceback" not in out and "dropped a request from 127.0.0.1: " in out, out
 
 
+def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(tmp_path):
+    """One byte every 0.2 s never trips a per-read timeout: --timeout 1 counts from the connection, in the headers
+    and in the body."""
+    cmd = [sys.executable, str(ROOT / "common.py"), "serve-reward", "--reward", "jpeg", "--port", "0", "--timeout", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        port = int(proc.stdout.readline().rsplit(":", 1)[1].split("/")[0])
+        for head in [b"", b"POST /jpeg HTTP/1.0\r\nContent-Length: 100\r\n\r\n"]:
+            client = socket.create_connection(("127.0.0.1", port))
+            client.sendall(head)
+            tic, dropped = time.time(), False
+            while not dropped and time.time() - tic < 10:
+                time.sleep(0.2)
+                try:
+                    client.sendall(b"P")
+                    client.setblocking(False)
+                    dropped = client.recv(100) == b""           # closed by the server
+                except BlockingIOError:                          # open, nothing to read
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    dropped = True
+                client.setblocking(True)
+            client.close()
+            assert dropped and 0.8 < time.time() - tic < 2.5, (head, time.time() - tic)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--port", "70000"], "--port 70000 must be between 0 and 65535"),
     (["--port", "-1"], "--port -1 must be between 0 and 65535"),
     (["--host", "no-such-host.invalid"], "cannot serve at no-such-host.invalid:8000 (Name or service not known)"),
     (["--port", "BUSY"], "(Address already in use): pass another --port or --host"),
+    (["--timeout", "nan"], "--timeout nan must be a finite number above 0"),
+    (["--timeout", "-1"], "--timeout -1 must be a finite number above 0"),
+    (["--timeout", "inf"], "--timeout inf must be a finite number above 0"),
+    (["--max-request-mb", "nan"], "--max-request-mb nan must be a finite number above 0"),
+    (["--max-request-mb", "0"], "--max-request-mb 0 must be a finite number above 0"),
 ])
-def test_the_server_refuses_an_address_it_cannot_serve_in_one_line(flags, message, capsys, monkeypatch):
+def test_the_server_refuses_an_address_it_cannot_serve_or_a_bad_limit_in_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setitem(common.REWARDS, "jpeg", lambda device: pytest.fail("the scorer loaded"))
     with socket.create_server(("127.0.0.1", 0)) as busy:
         flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
