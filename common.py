@@ -2570,11 +2570,12 @@ def preflight_table(rows: list[tuple]) -> str:
 # ==============================================================================================================
 class RemoteReward:
     """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
-    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A request
-    has `timeout` seconds in all (connecting, waiting, reading). One that fails (no answer, past the deadline, HTTP
-    5xx, a reply cut short or not JSON) is retried `retries` times with doubling waits, then the run stops naming the
-    URL; HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once: never a silent
-    zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. Each try
+    has `timeout` seconds in all (connecting, waiting, reading; _post). One that fails (no answer, past the deadline,
+    HTTP 5xx, a reply cut short or not JSON) is retried `retries` times after waits of backoff, 2 backoff, ..., then
+    the run stops naming the URL: a hung scorer costs (retries + 1) timeout + (2^retries - 1) backoff, 4 x 120 + 14 =
+    494 s by default. HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once:
+    never a silent zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
 
     reads_prompt = True  # assumed: the protocol does not say
 
@@ -2584,7 +2585,6 @@ class RemoteReward:
     def __call__(self, images, prompts, metadata=None):
         import base64
         import http.client
-        import urllib.request
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
             buf = io.BytesIO()
@@ -2592,13 +2592,12 @@ class RemoteReward:
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
         with interruptible():
             for attempt in range(self.retries + 1):
                 raw = b""
                 try:
-                    status, raw = _post(request, self.timeout)
+                    status, raw = _post(self.url, body, self.timeout)
                     if status < 400:
                         reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
                         break
@@ -2623,30 +2622,36 @@ class RemoteReward:
         return scores.to(self.device)
 
 
-def _post(request, timeout: float) -> tuple[int, bytes]:
-    """Sends a urllib request and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
-    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read.
-    The request runs in a daemon thread, abandoned if it overruns."""
-    import urllib.error
-    import urllib.request
-    box = []
+def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+    """POSTs a JSON body and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
+    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read,
+    so a timer shuts the connection at the deadline (no thread or socket outlives the call)."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
+                                                                                                timeout=timeout)
+    expired = threading.Event()
 
-    def fetch():
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                box.append((reply.status, reply.read()))
-        except urllib.error.HTTPError as e:
-            box.append((e.code, e.read()))
-        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
-            box.append(e)
-    worker = threading.Thread(target=fetch, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not box:
+    def cut_off():
+        expired.set()
+        with contextlib.suppress(OSError, AttributeError):  # not connected yet (connect has the socket's timeout)
+            conn.sock.shutdown(socket.SHUT_RDWR)
+    timer = threading.Timer(timeout, cut_off)
+    timer.start()
+    try:
+        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        status, raw = reply.status, reply.read()
+    except (OSError, http.client.HTTPException):
+        if not expired.is_set():
+            raise
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():  # whatever came: a shut connection may read as a reply that ended
         raise TimeoutError(f"no complete reply within {timeout:g} s")
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    return status, raw
 
 
 def serve_reward(argv=None):

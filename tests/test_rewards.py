@@ -579,3 +579,43 @@ def test_a_scorer_not_in_the_hub_cache_is_one_line_before_anything_is_written(na
             common.check_scorer_files(["jpeg", name])
         cache_file(empty_hub, repo, filename)
     common.check_scorer_files([name, "toy", "remote:http://127.0.0.1:1/x"])
+
+
+class silent_server:
+    """A TCP server that accepts every connection and never answers; the connections it holds are `accepted`."""
+
+    def __enter__(self):
+        self.sock, self.accepted = socket.create_server(("127.0.0.1", 0)), []
+        threading.Thread(target=self.accept, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/judge"
+        return self
+
+    def accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.sock.accept()[0])
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("kind,requests,timeout", [("silent", 20, 0.2), ("drip", 10, 0.5)])
+def test_requests_past_their_deadline_leave_no_thread_or_connection_behind(kind, requests, timeout):
+    """Requests to a server that never answers, or sends a byte every 0.2 s: each is closed at its deadline, so
+    the thread count is back where it was (the drip server's threads end when their client has gone)."""
+    with silent_server() if kind == "silent" else raw_server([DRIP]) as server:
+        baseline = threading.active_count()
+        reward = common.RemoteReward(server.url, timeout=timeout, retries=0)
+        for _ in range(requests):
+            with pytest.raises(common.TrainingStopped, match=f"no complete reply within {timeout:g} s"):
+                reward(images(1), ["a"])
+        tic = time.time()
+        while threading.active_count() > baseline and time.time() - tic < 2:
+            time.sleep(0.05)
+        assert threading.active_count() == baseline, threading.enumerate()
+        for conn in getattr(server, "accepted", []):  # the request, then the end of the connection (else a timeout)
+            conn.settimeout(2)
+            while conn.recv(65536):
+                pass
+            conn.close()
+        assert len(getattr(server, "accepted", range(requests))) == requests
