@@ -239,3 +239,26 @@ def test_computed_memory_table_adds_up_the_published_sizes():
     assert float(flux[9].split()[0]) == pytest.approx(986e6 * 4 / gib, abs=0.06)  # CLIP ViT-H/14: 986M
     text = (4.762e9 + 0.1231e9) * 2                                              # --offload-encoders
     assert float(flux[10].split()[0]) - float(flux[11].split()[0]) == pytest.approx(text / gib, abs=0.11)
+
+
+def test_the_gpu_check_fails_on_a_preflight_fail_random_weights_do_not_explain():
+    def result(fails, status="ok", ckpt=True):
+        return {"model": "flux", "trainer": "flow_grpo", "ckpt": ckpt, "status": status, "preflight_fails": fails}
+    explained = result(["pickscore: right vs shifted prompts"])
+    assert gpu_check.findings([explained, result([])]) == []
+    assert gpu_check.findings([explained, result(["pickscore: right vs shifted prompts", "gradients finite"],
+                                                 ckpt=False)]) == \
+        ["flux flow_grpo (no checkpointing): preflight FAIL gradients finite"]
+    assert gpu_check.findings([result(["first update KL"]), result([], "error: CUDA error: out of memory")]) == \
+        ["flux flow_grpo: preflight FAIL first update KL", "flux flow_grpo: error: CUDA error: out of memory"]
+
+
+def test_computed_memory_table_counts_every_scorer_of_the_default_reward():
+    """G2RPO scores with HPS v2.1 and DFN5B CLIP-H (two CLIP-H), V-GRPO on SD3 with HPS, PickScore and CLIP-L."""
+    rows = [line.split(" | ") for line in gpu_check.computed(["g2rpo", "v_grpo"]).splitlines()[2:]]
+    reward = {(r[0].strip("| "), r[1]): r[9] for r in rows}
+    clip_h, clip_l = 986.1e6 * 4 / 2**30, 427.6e6 * 4 / 2**30
+    for key, gib, names in [(("flux", "g2rpo"), 2 * clip_h, "(hpsv2, clipscore-h)"),
+                            (("sd3", "v_grpo"), 2 * clip_h + clip_l, "(hpsv2, pickscore, clipscore)"),
+                            (("flux", "v_grpo"), 2 * clip_h, "(hpsv2, pickscore)")]:
+        assert float(reward[key].split()[0]) == pytest.approx(gib, abs=0.06) and reward[key].endswith(names), key
