@@ -621,8 +621,7 @@ class PickScore(_CLIPSimilarity):
     divisor = 26.0
     hub_files = (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json"))
 
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H,
-                 device="cpu", dtype=torch.float32):
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         super().__init__(model_id, processor_id, device, dtype)
 
 
@@ -2631,27 +2630,27 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
                                                                                                 timeout=timeout)
-    expired = threading.Event()
-
-    def cut_off():
-        expired.set()
-        with contextlib.suppress(OSError, AttributeError):  # not connected yet (connect has the socket's timeout)
-            conn.sock.shutdown(socket.SHUT_RDWR)
-    timer = threading.Timer(timeout, cut_off)
+    deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
     timer.start()
     try:
-        conn.request("POST", u.path + (f"?{u.query}" if u.query else ""), body, {"Content-Type": "application/json"})
+        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
         reply = conn.getresponse()
         status, raw = reply.status, reply.read()
     except (OSError, http.client.HTTPException):
-        if not expired.is_set():
+        if time.monotonic() < deadline:
             raise
     finally:
         timer.cancel()
         conn.close()
-    if expired.is_set():  # whatever came: a shut connection may read as a reply that ended
+    if time.monotonic() >= deadline:  # whatever came: a shut connection may read as a reply that ended
         raise TimeoutError(f"no complete reply within {timeout:g} s")
     return status, raw
+
+
+def _shut(sock):
+    """Ends a connection from any thread (a read blocked on it returns); one closed, or not yet open (None), is left."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def serve_reward(argv=None):
@@ -2702,12 +2701,8 @@ def serve_reward(argv=None):
 
         def setup(self):
             super().setup()
-            self.deadline = threading.Timer(a.timeout, self.cut_off)
+            self.deadline = threading.Timer(a.timeout, _shut, [self.connection])
             self.deadline.start()
-
-        def cut_off(self):
-            with contextlib.suppress(OSError):  # already closed
-                self.connection.shutdown(socket.SHUT_RDWR)
 
         def finish(self):
             self.deadline.cancel()
