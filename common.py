@@ -533,6 +533,17 @@ def hub_file(repo_or_folder: str, filename: str) -> str:
     return hf_hub_download(repo_or_folder, filename)
 
 
+def check_scorer_files(names):
+    """Refuses, while HF_HUB_OFFLINE is set, a scorer of `names` whose `hub_files` ((repo, file) pairs it loads; none
+    for rule-based and remote ones) are not in the hub cache."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    for name in names if constants.HF_HUB_OFFLINE else ():
+        for repo, filename in getattr(REWARDS.get(name), "hub_files", ()):
+            if not isinstance(try_to_load_from_cache(repo, filename), str):
+                raise UsageError(f"--reward {name} needs {repo} ({filename}), not in the hub cache while offline "
+                                 f"(HF_HUB_OFFLINE): download it with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+
+
 def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
     """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
     resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
@@ -545,9 +556,27 @@ def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
         size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
     x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
     (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
-    x = x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw]
+    return normalise(x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw], config)
+
+
+def resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
+    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the
+    longer side to `size` and the other to round(side * scale), then zeros padded to size x size around the centre
+    (the odd pixel at the bottom / right)."""
+    (h, w), scale = images.shape[-2:], size / max(images.shape[-2:])
+    new = (round(h * scale), round(w * scale))
+    x = F.interpolate(images.float(), size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    ph, pw = size - new[0], size - new[1]
+    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+
+
+def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
+    """(x - image_mean) / image_std per channel, from an image processor's to_dict() config."""
     mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
     return (x - mean) / std
+
+
+CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
 
 
 class _CLIPSimilarity:
@@ -568,10 +597,13 @@ class _CLIPSimilarity:
         from transformers import CLIPModel
         return CLIPModel.from_pretrained(model_id, dtype=dtype)
 
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return clip_preprocess(images, self.image_config)
+
     @torch.no_grad()
     def cosine(self, images, prompts) -> torch.Tensor:
         """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        pixels = self.preprocess(images.to(self.device)).to(self.dtype)
         text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                               return_tensors="pt").to(self.device)
         # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
@@ -589,9 +621,9 @@ class PickScore(_CLIPSimilarity):
     (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
 
     divisor = 26.0
+    hub_files = (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json"))
 
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                 device="cpu", dtype=torch.float32):
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         super().__init__(model_id, processor_id, device, dtype)
 
 
@@ -599,8 +631,9 @@ class CLIPScore(_CLIPSimilarity):
     """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
 
     divisor = 30.0
+    hub_files = ((CLIP_L, "config.json"),)
 
-    def __init__(self, model_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+    def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
         super().__init__(model_id, None, device, dtype)
 
 
@@ -662,13 +695,14 @@ class HPSv2(_CLIPSimilarity):
     """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
     scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
     open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
-    resize runs on the float images (clip_preprocess), where the hpsv2 package resizes 8-bit PIL images (PIL
-    bicubic, then the same centre crop): the same pixels for 224 px images, up to 4e-3 (of 1) apart at 256 x 320."""
+    preprocessing is the hpsv2 package's: the longer side resized to 224, black padding to a square, normalised
+    (resize_max_size). The package resizes the 8-bit PIL image (PIL bicubic); here the float images are resized."""
 
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
+    hub_files = (("xswu/HPSv2", "HPS_v2.1_compressed.pt"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         self.filename = filename
         super().__init__(model_id, processor_id, device, dtype)
 
@@ -695,6 +729,9 @@ class HPSv2(_CLIPSimilarity):
                                f"a new tensor)")
         return model
 
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return normalise(resize_max_size(images, self.image_config["crop_size"]["height"]), self.image_config)
+
     def __call__(self, images, prompts, metadata=None):
         return self.cosine(images, prompts)
 
@@ -707,9 +744,11 @@ class CLIPScoreH(HPSv2):
     images, as HPSv2's)."""
 
     quick_gelu = True
+    preprocess = _CLIPSimilarity.preprocess
+    hub_files = (("apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
-                 processor_id="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device="cpu", dtype=torch.float32):
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         super().__init__(model_id, filename, processor_id, device, dtype)
         side = self.image_config["crop_size"]["height"]
         self.image_config["size"] = {"height": side, "width": side}
@@ -720,9 +759,11 @@ class Aesthetic:
     on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
     reads_prompt = False
+    hub_files = (("camenduru/improved-aesthetic-predictor", "sac+logos+ava1-l14-linearMSE.pth"),
+                 (CLIP_L, "config.json"))
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
-                 clip_id="openai/clip-vit-large-patch14", device="cpu", dtype=torch.float32):
+                 clip_id=CLIP_L, device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
         self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
         self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
@@ -775,6 +816,7 @@ class OCRScore:
     explicitly: the checkpoint's generation config sets no end token."""
 
     reads_prompt = True
+    hub_files = (("stepfun-ai/GOT-OCR-2.0-hf", "config.json"),)
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -859,6 +901,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             out[name] = math.nan
         if not math.isfinite(out[name]):
             raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
+        if abs(out[name]) > torch.finfo(torch.float32).max:
+            raise UsageError(f"weight {w} for reward {name!r} in --reward {spec!r} is beyond float32, where rewards "
+                             f"are summed: use a smaller weight")
     return list(out.items())
 
 
@@ -1302,32 +1347,41 @@ def setup_training(args) -> Runtime:
 
 def check_model(name: str, path: str | None, reward: str | None = None):
     """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
-    that is not a pipeline, a hub repository not in the cache while offline, a malformed random:N) and a --reward
-    that does not fit the model (the toy world's rewards read only its 16x16 shapes)."""
-    if reward is not None and name != "toy" and {n for n, _ in parse_reward_spec(reward)} & {"toy", "toy-soft"}:
+    that is not a pipeline or whose model_index.json or transformer/config.json is not a JSON object, a hub
+    repository not in the cache while offline, a malformed random:N) and a --reward that does not fit the model (the
+    toy world's rewards read only its 16x16 shapes) or whose scorer's files are not in the hub cache while offline
+    (check_scorer_files)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    names = {n for n, _ in parse_reward_spec(reward)} if reward is not None else set()
+    if name != "toy" and names & {"toy", "toy-soft"}:
         raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
                          f"another --reward")
+    repo = path or HUB_IDS.get(name)
     if (path or "").startswith("random"):
         random_depth(path)
-        return
-    if name == "toy":
+    elif name == "toy":
         root = Path(path) if path else ASSETS / "toy"
         if not (root / "transformer").is_dir():
             raise UsageError(f"no toy weights in {root} (transformer/): run `python tests/pretrain_toy.py --out "
                              f"{root}` or fix --model-path")
-        return
-    repo = path or HUB_IDS[name]
-    if Path(repo).exists():
+    elif Path(repo).exists():
         if not (Path(repo) / "model_index.json").is_file():
             raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
                              f"folder saved with save_pretrained, a hub id, or random")
-        return
-    if repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
+        for config in (Path(repo) / "model_index.json", Path(repo) / "transformer" / "config.json"):
+            try:
+                ok = isinstance(json.loads(config.read_text()), dict)
+            except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
+                ok = False
+            if not ok:
+                raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
+                                 f"again (save_pretrained) or download it again")
+    elif repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
         raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
-    from huggingface_hub import constants, try_to_load_from_cache
-    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
+    elif constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
         raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
-                         f"with `huggingface-cli download {repo}`, or set HF_HUB_OFFLINE=0")
+                         f"with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+    check_scorer_files(names)
 
 
 def micro_batches_per_update(n: int, micro_batch: int, updates: int,
@@ -2622,11 +2676,12 @@ def preflight_table(rows: list[tuple]) -> str:
 # ==============================================================================================================
 class RemoteReward:
     """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
-    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. A request
-    has `timeout` seconds in all (connecting, waiting, reading). One that fails (no answer, past the deadline, HTTP
-    5xx, a reply cut short or not JSON) is retried `retries` times with doubling waits, then the run stops naming the
-    URL; HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once: never a silent
-    zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
+    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. Each try
+    has `timeout` seconds in all (connecting, waiting, reading; _post). One that fails (no answer, past the deadline,
+    HTTP 5xx, a reply cut short or not JSON) is retried `retries` times after waits of backoff, 2 backoff, ..., then
+    the run stops naming the URL: a hung scorer costs (retries + 1) timeout + (2^retries - 1) backoff, 4 x 120 + 14 =
+    494 s by default. HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once:
+    never a silent zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
 
     reads_prompt = True  # assumed: the protocol does not say
 
@@ -2636,7 +2691,6 @@ class RemoteReward:
     def __call__(self, images, prompts, metadata=None):
         import base64
         import http.client
-        import urllib.request
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
             buf = io.BytesIO()
@@ -2644,13 +2698,12 @@ class RemoteReward:
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
         with interruptible():
             for attempt in range(self.retries + 1):
                 raw = b""
                 try:
-                    status, raw = _post(request, self.timeout)
+                    status, raw = _post(self.url, body, self.timeout)
                     if status < 400:
                         reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
                         break
@@ -2675,37 +2728,44 @@ class RemoteReward:
         return scores.to(self.device)
 
 
-def _post(request, timeout: float) -> tuple[int, bytes]:
-    """Sends a urllib request and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
-    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read.
-    The request runs in a daemon thread, abandoned if it overruns."""
-    import urllib.error
-    import urllib.request
-    box = []
-
-    def fetch():
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                box.append((reply.status, reply.read()))
-        except urllib.error.HTTPError as e:
-            box.append((e.code, e.read()))
-        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
-            box.append(e)
-    worker = threading.Thread(target=fetch, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not box:
+def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+    """POSTs a JSON body and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
+    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read,
+    so a timer shuts the connection at the deadline (no thread or socket outlives the call)."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
+                                                                                                timeout=timeout)
+    deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
+    timer.start()
+    try:
+        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        status, raw = reply.status, reply.read()
+    except (OSError, http.client.HTTPException):
+        if time.monotonic() < deadline:
+            raise
+    finally:
+        timer.cancel()
+        conn.close()
+    if time.monotonic() >= deadline:  # whatever came: a shut connection may read as a reply that ended
         raise TimeoutError(f"no complete reply within {timeout:g} s")
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    return status, raw
+
+
+def _shut(sock):
+    """Ends a connection from any thread (a read blocked on it returns); one closed, or not yet open (None), is left."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def serve_reward(argv=None):
     """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
     http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
     batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
-    error 500; a client that stalls for --timeout seconds is dropped, one that leaves early is one line on stderr."""
+    error 500; a client that has not sent its whole request --timeout seconds after connecting (however it trickles)
+    is dropped, one that leaves early is one line on stderr."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
@@ -2714,13 +2774,16 @@ def serve_reward(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may stall before it is dropped")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a client has to send its request")
     a = ap.parse_args(argv)
 
     def refuse(message: str):
         ap.exit(2, f"{ap.prog}: error: {message}\n")
     if not 0 <= a.port <= 65535:
         refuse(f"--port {a.port} must be between 0 and 65535")
+    for flag, value in [("--timeout", a.timeout), ("--max-request-mb", a.max_request_mb)]:
+        if not (math.isfinite(value) and value > 0):
+            refuse(f"{flag} {value:g} must be a finite number above 0")
     scorer, lock = None, threading.Lock()  # one batch at a time on the model
 
     def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
@@ -2741,7 +2804,16 @@ def serve_reward(argv=None):
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = a.timeout
+        timeout = a.timeout  # for each read and write; the request as a whole has the deadline below
+
+        def setup(self):
+            super().setup()
+            self.deadline = threading.Timer(a.timeout, _shut, [self.connection])
+            self.deadline.start()
+
+        def finish(self):
+            self.deadline.cancel()
+            super().finish()
 
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
@@ -2752,6 +2824,9 @@ def serve_reward(argv=None):
             if int(size) > a.max_request_mb * 2**20:
                 return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
             raw = self.rfile.read(int(size))
+            self.deadline.cancel()  # received: the time to score it is the server's own
+            if len(raw) < int(size):
+                raise ConnectionError(f"{len(raw)} of {size} bytes came within --timeout {a.timeout:g} s")
             try:
                 batch = decode(raw)
             except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error
@@ -2783,6 +2858,7 @@ def serve_reward(argv=None):
     except OSError as e:
         refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
     try:
+        check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
     except UsageError as e:
         refuse(str(e))

@@ -59,6 +59,16 @@ CLIP_H = {"text_config": dict(vocab_size=49408, hidden_size=1024, intermediate_s
           "vision_config": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
                                 image_size=224, patch_size=14, hidden_act="gelu", projection_dim=1024),
           "projection_dim": 1024}
+# CLIP ViT-L/14's (openai/clip-vit-large-patch14: clipscore, and the aesthetic predictor's image tower)
+CLIP_L = {"text_config": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                              num_attention_heads=12, hidden_act="quick_gelu", projection_dim=768),
+          "vision_config": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                image_size=224, patch_size=14, hidden_act="quick_gelu", projection_dim=768),
+          "projection_dim": 768}
+# The preflight rows that FAIL, as they should, on the random-weight scorer: it reads no prompt. (Its mean on the
+# base model's images is far from PickScore's too, but that row only WARNs.) Any other FAIL, or a run that did not
+# finish, is a finding: the check exits with status 1.
+RANDOM_WEIGHT_FAILS = {"pickscore: right vs shifted prompts"}
 
 
 # ---- one run, inside a worker ----
@@ -83,14 +93,36 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, out: Path) ->
     return [str(a) for a in argv]
 
 
-def clip_h(layers: int | None = None):
-    """A transformers CLIPModel of CLIP_H's architecture, random weights (on the current default device); `layers`
-    per tower if given."""
+def clip_h(layers: int | None = None, config: dict = CLIP_H):
+    """A transformers CLIPModel of CLIP_H's architecture (or `config`'s), random weights (on the current default
+    device); `layers` per tower if given."""
     from transformers import CLIPConfig, CLIPModel
     depth = {"num_hidden_layers": layers} if layers else {}
-    return CLIPModel(CLIPConfig(text_config={**CLIP_H["text_config"], **depth},
-                                vision_config={**CLIP_H["vision_config"], **depth},
-                                projection_dim=CLIP_H["projection_dim"]))
+    return CLIPModel(CLIPConfig(text_config={**config["text_config"], **depth},
+                                vision_config={**config["vision_config"], **depth},
+                                projection_dim=config["projection_dim"]))
+
+
+def scorer_params(name: str) -> int:
+    """The parameters of registry scorer `name` at its published size (built on meta; GOT-OCR 2.0 by its published
+    count); 0 for the rule-based ones and a remote scorer, which holds no memory here."""
+    import torch
+    with torch.device("meta"):
+        if name in ("pickscore", "hpsv2", "clipscore-h"):                   # CLIP-H and fine-tunes of it
+            return sum(p.numel() for p in clip_h().parameters())
+        if name in ("clipscore", "aesthetic"):
+            clip = clip_h(config=CLIP_L)
+            towers = [clip] if name == "clipscore" else [clip.vision_model, clip.visual_projection]
+            head = sum(a * b + b for a, b in zip([768, 1024, 128, 64, 16], [1024, 128, 64, 16, 1]))
+            return sum(p.numel() for m in towers for p in m.parameters()) + (head if name == "aesthetic" else 0)
+    return 561_000_000 if name == "ocr" else 0
+
+
+def findings(results: list[dict]) -> list[str]:
+    """What makes the check fail: each run that did not finish, each preflight FAIL not in RANDOM_WEIGHT_FAILS."""
+    return [f"{r['model']} {r['trainer']}{'' if r['ckpt'] else ' (no checkpointing)'}: {what}" for r in results
+            for what in ([r["status"]] if r["status"] != "ok" else
+                         [f"preflight FAIL {f}" for f in r["preflight_fails"] if f not in RANDOM_WEIGHT_FAILS])]
 
 
 def random_pickscore():
@@ -102,6 +134,8 @@ def random_pickscore():
     import common
 
     class RandomPickScore(common.PickScore):
+        hub_files = ()  # built in code, nothing downloaded
+
         def __init__(self, device="cpu"):  # builds instead of downloading (no super().__init__)
             self.device, self.dtype, self.max_length = torch.device(device), torch.float32, 77
             with torch.device(device):
@@ -235,18 +269,17 @@ def table(results: list[dict]) -> str:
 def computed(trainers: list[str]) -> str:
     """Per model and trainer at its full-scale defaults, from the published architectures built on `meta`: the
     frozen weights in their dtypes, the trained parameters with their gradient, AdamW moments and EMA in float32
-    (under FSDP2 divided over 8 GPUs), a frozen reference copy under full fine-tuning with a KL, and the CLIP-H
-    reward model in float32. Then an estimate of the activations of one forward+backward under gradient
-    checkpointing (every trainer backpropagates one forward at a time): each block keeps its input, R rows x
-    (image + text tokens) x width in 16-bit, and the block being recomputed holds about 16 times that; R is the
-    rows of a training forward (the micro-batch; x2 for SD3's CFG; x the (t, eps) pairs for V-GRPO)."""
+    (under FSDP2 divided over 8 GPUs), a frozen reference copy under full fine-tuning with a KL, and each scorer of
+    the trainer's default --reward in float32 (scorer_params). Then an estimate of the activations of one
+    forward+backward under gradient checkpointing (every trainer backpropagates one forward at a time): each block
+    keeps its input, R rows x (image + text tokens) x width in 16-bit, and the block being recomputed holds about 16
+    times that; R is the rows of a training forward (the micro-batch; x2 for SD3's CFG; x the (t, eps) pairs for
+    V-GRPO)."""
     import torch
 
     import common
-    with torch.device("meta"):
-        reward = sum(p.numel() for p in clip_h().parameters()) * 4
     head = ["model", "trainer", "GPUs", "px", "prompts x group (M)", "LoRA, dtype", "frozen weights",
-            "trained + grad + AdamW (+ EMA)", "reference", "reward model", "before activations",
+            "trained + grad + AdamW (+ EMA)", "reference", "reward models", "before activations",
             "with --offload-encoders", "activations, checkpointed (estimate)", "peak",
             "s/it, img/s per GPU", "source"]
     rows = []
@@ -271,6 +304,8 @@ def computed(trainers: list[str]) -> str:
             gpus = 8 if d.get("fsdp") else 1                       # FSDP2 shards the state over one node's 8
             state, ref = state / gpus, ref / gpus
             gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+            scorers = [name for name, _ in common.parse_reward_spec(d["reward"])]
+            reward = sum(scorer_params(name) for name in scorers) * 4
             cfg = 2 if family == "sd3" and d.get("guidance_scale", 1) > 1 else 1
             rows_grad = d["micro_batch"] * cfg * d.get("mc_pairs", 1)
             config = pipe.transformer.config
@@ -281,7 +316,8 @@ def computed(trainers: list[str]) -> str:
             rows.append([family, trainer, "8 (FSDP2)" if d.get("fsdp") else "any (DDP)", str(d["resolution"]),
                          f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
                          f"{d.get('lora_rank') or 'full'}, {d.get('dtype', 'bf16')}", gib(frozen),
-                         f"{gib(state)} ({n / 1e6:.0f}M)", gib(ref) if ref else "-", gib(reward),
+                         f"{gib(state)} ({n / 1e6:.0f}M)", gib(ref) if ref else "-",
+                         f"{gib(reward)} ({', '.join(scorers)})",
                          gib(frozen + state + ref + reward), gib(frozen - text + state + ref + reward),
                          f"{gib(activations)} ({rows_grad} rows)", "unmeasured",
                          "unmeasured", "computed"])
@@ -328,8 +364,10 @@ def main(argv=None):
     print("\n" + text)
     (out / "gpu_check.md").write_text(text + "\n")
     print(f"\n{out}/gpu_check.md, {out}/results.jsonl; {time.time() - tic:.0f} s in all")
+    if bad := findings(results):
+        print("\nFAILED, not explained by random weights:\n" + "\n".join(bad))
     return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if findings(main() or []) else 0)

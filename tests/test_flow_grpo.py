@@ -10,6 +10,22 @@ from helpers import (SMALL, model_argv, read_metrics, run, small, straight_and_r
                      torchrun, trained_params)
 
 
+# Start-up rows of flow_grpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line).
+STARTUP = [
+    (["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
+    (["--timestep-fraction", "inf"], "--timestep-fraction inf must be at least 0 and at most 1"),
+    (["--sde-window", "3"], "--sde-window 3 does not fit in --sde-window-range 0,2: need 0 <= LO and W <= HI - LO"),
+    # SMALL: 4 steps, so the default range is 0,T//2 = 0,2
+    (["--sde-window", "1", "--sde-window-range", "0,4"],
+     "--sde-window-range 0,4 reaches past step T - 1 = 3 of --sample-steps 4"),
+    (["--sde-window", "1", "--sde-window-range=-1,2"], "does not fit in --sde-window-range -1,2"),
+    (["--sde-window", "1", "--sde-window-range", "0:2"], "--sde-window-range '0:2' must be two integers LO,HI"),
+    (["--sde-type", "cps", "--noise-level", "1.5"], "--noise-level 1.5 must be in (0, 1] with --sde-type cps"),
+    (["--sde-type", "cps", "--timestep-fraction", "1"], "--sde-type cps cannot train the last step"),
+    (["--sde-type", "ddim"], "argument --sde-type: invalid choice: 'ddim'"),
+]
+
+
 @pytest.mark.parametrize("model", ["toy", "flux", "sd3"])
 def test_two_iterations_run_with_finite_loss(model, tmp_path):
     run(flow_grpo, [*model_argv("flow_grpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL])

@@ -93,9 +93,14 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--quick", "--models", family,
                            "--trainers", trainer, "--out", str(out)], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (r,) = [json.loads(s) for s in (out / "results.jsonl").read_text().splitlines()]
     assert r["status"] == "ok", r
+    # SD3's last block is context_pre_only: its text queries reach no output, so the LoRA on its attn.add_q_proj
+    # gets no gradient and Preflight's "tensors with a gradient" FAILs, which random weights do not explain
+    known = {"sd3": ["sd3 v_grpo: preflight FAIL tensors with a gradient"]}.get(family, [])
+    assert gpu_check.findings([r]) == known, r["preflight_fails"]
+    assert proc.returncode == (1 if known else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "".join(f"\n{f}" for f in known) in proc.stdout
     assert f"| {family} | {trainer} | on | 64 |" in proc.stdout
     # the counts are the run's: one prompt, a group of 2, 4 sampling steps
     if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
@@ -239,3 +244,26 @@ def test_computed_memory_table_adds_up_the_published_sizes():
     assert float(flux[9].split()[0]) == pytest.approx(986e6 * 4 / gib, abs=0.06)  # CLIP ViT-H/14: 986M
     text = (4.762e9 + 0.1231e9) * 2                                              # --offload-encoders
     assert float(flux[10].split()[0]) - float(flux[11].split()[0]) == pytest.approx(text / gib, abs=0.11)
+
+
+def test_the_gpu_check_fails_on_a_preflight_fail_random_weights_do_not_explain():
+    def result(fails, status="ok", ckpt=True):
+        return {"model": "flux", "trainer": "flow_grpo", "ckpt": ckpt, "status": status, "preflight_fails": fails}
+    explained = result(["pickscore: right vs shifted prompts"])
+    assert gpu_check.findings([explained, result([])]) == []
+    assert gpu_check.findings([explained, result(["pickscore: right vs shifted prompts", "gradients finite"],
+                                                 ckpt=False)]) == \
+        ["flux flow_grpo (no checkpointing): preflight FAIL gradients finite"]
+    assert gpu_check.findings([result(["first update KL"]), result([], "error: CUDA error: out of memory")]) == \
+        ["flux flow_grpo: preflight FAIL first update KL", "flux flow_grpo: error: CUDA error: out of memory"]
+
+
+def test_computed_memory_table_counts_every_scorer_of_the_default_reward():
+    """G2RPO scores with HPS v2.1 and DFN5B CLIP-H (two CLIP-H), V-GRPO on SD3 with HPS, PickScore and CLIP-L."""
+    rows = [line.split(" | ") for line in gpu_check.computed(["g2rpo", "v_grpo"]).splitlines()[2:]]
+    reward = {(r[0].strip("| "), r[1]): r[9] for r in rows}
+    clip_h, clip_l = 986.1e6 * 4 / 2**30, 427.6e6 * 4 / 2**30
+    for key, gib, names in [(("flux", "g2rpo"), 2 * clip_h, "(hpsv2, clipscore-h)"),
+                            (("sd3", "v_grpo"), 2 * clip_h + clip_l, "(hpsv2, pickscore, clipscore)"),
+                            (("flux", "v_grpo"), 2 * clip_h, "(hpsv2, pickscore)")]:
+        assert float(reward[key].split()[0]) == pytest.approx(gib, abs=0.06) and reward[key].endswith(names), key

@@ -11,6 +11,14 @@ import g2rpo
 from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv
 
 
+# Start-up rows of g2rpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line).
+STARTUP = [
+    (["--grid-shift", "0"], "--grid-shift 0.0 must be at least 1e-12"),
+    (["--grid-shift", "-1"], "--grid-shift -1.0 must be at least 1e-12"),
+    (["--grid-shift", "nan"], "--grid-shift nan must be at least 1e-12"),
+]
+
+
 def fake_velocity(x, t):
     """A nonlinear stand-in for v_theta(x, t), one t per row: any mix-up of rows, times or shared states shows."""
     t = t.reshape(-1, *[1] * (x.dim() - 1))

@@ -15,6 +15,16 @@ from helpers import SMALL, model_argv, read_metrics, run, tiny_argv, torchrun
 FUNNEL = [*SMALL, "--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"]
 
 
+# Start-up rows of pro_grpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line),
+# with the flags the method needs at the SMALL sizes (a group of 4).
+STARTUP = [
+    (["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
+    (["--baseline-group", "-5"], "--baseline-group -5 must be at least 2"),
+    (["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
+]
+FITS_SMALL = ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]
+
+
 def population_var(xs):
     mean = sum(xs) / len(xs)
     return sum((x - mean) ** 2 for x in xs) / len(xs)

@@ -4,6 +4,7 @@ line instead of a zero reward."""
 import base64
 import contextlib
 import http.client
+import importlib
 import io
 import json
 import math
@@ -24,6 +25,7 @@ import torch
 
 import common
 import flow_grpo
+import helpers
 from helpers import ROOT, SMALL, read_metrics, run, tiny_argv, torchrun_cmd, trained_params
 
 
@@ -236,13 +238,48 @@ def test_the_server_answers_400_to_a_bad_request_413_to_a_huge_one_and_drops_sta
     assert "Traceback" not in out and "dropped a request from 127.0.0.1: " in out, out
 
 
+def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(tmp_path):
+    """One byte every 0.2 s never trips a per-read timeout: --timeout 1 counts from the connection, in the headers
+    and in the body."""
+    cmd = [sys.executable, str(ROOT / "common.py"), "serve-reward", "--reward", "jpeg", "--port", "0", "--timeout", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        port = int(proc.stdout.readline().rsplit(":", 1)[1].split("/")[0])
+        for head in [b"", b"POST /jpeg HTTP/1.0\r\nContent-Length: 100\r\n\r\n"]:
+            client = socket.create_connection(("127.0.0.1", port))
+            client.sendall(head)
+            tic, dropped = time.time(), False
+            while not dropped and time.time() - tic < 10:
+                time.sleep(0.2)
+                try:
+                    client.sendall(b"P")
+                    client.setblocking(False)
+                    dropped = client.recv(100) == b""           # closed by the server
+                except BlockingIOError:                          # open, nothing to read
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    dropped = True
+                client.setblocking(True)
+            client.close()
+            assert dropped and 0.8 < time.time() - tic < 2.5, (head, time.time() - tic)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--port", "70000"], "--port 70000 must be between 0 and 65535"),
     (["--port", "-1"], "--port -1 must be between 0 and 65535"),
     (["--host", "no-such-host.invalid"], "cannot serve at no-such-host.invalid:8000 (Name or service not known)"),
     (["--port", "BUSY"], "(Address already in use): pass another --port or --host"),
+    (["--timeout", "nan"], "--timeout nan must be a finite number above 0"),
+    (["--timeout", "-1"], "--timeout -1 must be a finite number above 0"),
+    (["--timeout", "inf"], "--timeout inf must be a finite number above 0"),
+    (["--max-request-mb", "nan"], "--max-request-mb nan must be a finite number above 0"),
+    (["--max-request-mb", "0"], "--max-request-mb 0 must be a finite number above 0"),
 ])
-def test_the_server_refuses_an_address_it_cannot_serve_in_one_line(flags, message, capsys, monkeypatch):
+def test_the_server_refuses_an_address_it_cannot_serve_or_a_bad_limit_in_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setitem(common.REWARDS, "jpeg", lambda device: pytest.fail("the scorer loaded"))
     with socket.create_server(("127.0.0.1", 0)) as busy:
         flags = [str(busy.getsockname()[1]) if f == "BUSY" else f for f in flags]
@@ -298,6 +335,14 @@ def test_a_run_with_two_rewards_logs_each_one(tmp_path):
     assert first["reward_mean"] == pytest.approx(first["reward_toy"] + 0.5 * first["reward_jpeg"], abs=1e-5)
     assert first["eval_reward"] == pytest.approx(first["eval_toy"] + 0.5 * first["eval_jpeg"], abs=1e-5)
     assert first["reward_jpeg"] < 0 and first["eval_reward_se"] > 0
+
+
+def test_a_reward_weight_beyond_float32_is_refused():
+    big = torch.finfo(torch.float32).max
+    assert common.parse_reward_spec(f"toy:{big!r},jpeg:-3e38") == [("toy", big), ("jpeg", -3e38)]
+    for spec in ["toy:1e39", "jpeg:-3.5e38", "toy,remote:http://h:1/x:4e38"]:
+        with pytest.raises(common.UsageError, match=r"weight \S+ for reward .* is beyond float32"):
+            common.parse_reward_spec(spec)
 
 
 def test_bad_remote_specs_name_the_syntax():
@@ -432,3 +477,145 @@ def test_a_reward_failure_on_one_rank_stops_both_with_its_message(tmp_path):
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0]  # iteration 0 logged; 1 stopped both
     assert text.count(f"checkpoint iter_000001 saved: continue with --resume {tmp_path / 'r'}") == 1  # rank 0
     assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+def pil_resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
+    """open_clip's ResizeMaxSize as the hpsv2 package runs it, written with PIL: each channel resized as a float
+    image (PIL bicubic, clipped to [0, 1] as an 8-bit image is), the longer side to `size`, then black borders,
+    (left, top, right, bottom) = (pad_w // 2, pad_h // 2, the rest)."""
+    from PIL import Image
+    height, width = images.shape[-2:]
+    scale = size / float(max(height, width))
+    new_h, new_w = round(height * scale), round(width * scale)
+    out = np.zeros((len(images), 3, size, size), np.float32)
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    for n, image in enumerate(images.numpy()):
+        for c, channel in enumerate(image):
+            resized = np.asarray(Image.fromarray(channel, mode="F").resize((new_w, new_h), Image.BICUBIC))
+            out[n, c, top:top + new_h, left:left + new_w] = np.clip(resized, 0, 1)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("height,width", [(512, 768), (768, 512), (512, 512)])
+def test_hpsv2_feeds_its_vision_tower_the_hpsv2_packages_padded_pixels(height, width, tmp_path, monkeypatch):
+    """What the vision tower receives: ResizeMaxSize's black-padded square, normalised (padding -mean/std), while
+    CLIPScoreH squashes the whole image to the square."""
+    from test_reward_models import IMAGE, OPENAI_MEAN, OPENAI_STD, _open_clip_state, _save_checkpoint, _save_processor
+    tok = helpers.tokenizer()
+    _save_processor(tmp_path / "clip-h", tok, tok.eos_token_id)
+    _save_checkpoint(tmp_path / "hps", _open_clip_state(len(tok)))
+    images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(3))
+    mean, std = torch.tensor(OPENAI_MEAN).view(1, 3, 1, 1), torch.tensor(OPENAI_STD).view(1, 3, 1, 1)
+    for scorer, expected in [
+        (common.HPSv2(model_id=str(tmp_path / "hps"), processor_id=str(tmp_path / "clip-h")),
+         pil_resize_max_size(images, IMAGE)),
+        (common.CLIPScoreH(model_id=str(tmp_path / "hps"), filename="HPS_v2.1_compressed.pt",
+                           processor_id=str(tmp_path / "clip-h")),
+         torch.nn.functional.interpolate(images, size=(IMAGE, IMAGE), mode="bicubic", antialias=True).clamp(0, 1))]:
+        seen, features = [], scorer.model.get_image_features
+        monkeypatch.setattr(scorer.model, "get_image_features", lambda pixel_values, seen=seen, features=features:
+                            seen.append(pixel_values) or features(pixel_values=pixel_values))
+        scorer(images, ["a cat", "a dog"])
+        torch.testing.assert_close(seen[0], (expected - mean) / std, rtol=0, atol=2e-5)
+    hps = (pil_resize_max_size(images, IMAGE) - mean) / std  # the two differ but on a square image
+    assert torch.allclose(seen[0], hps, rtol=0, atol=2e-5) == (height == width)
+
+
+# Each in-process scorer and the hub repositories it loads, its own first; the others need no files.
+CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
+SCORER_REPOS = {"pickscore": ["yuvalkirstain/PickScore_v1", CLIP_H], "clipscore": [CLIP_L],
+                "hpsv2": ["xswu/HPSv2", CLIP_H], "clipscore-h": ["apple/DFN5B-CLIP-ViT-H-14", CLIP_H],
+                "aesthetic": ["camenduru/improved-aesthetic-predictor", CLIP_L], "ocr": ["stepfun-ai/GOT-OCR-2.0-hf"]}
+NO_FILES = ["toy", "toy-soft", "jpeg", "imagereward"]  # imagereward's package keeps its own download folder
+
+
+@pytest.fixture
+def empty_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE set and an empty hub cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def cache_file(hub: Path, repo: str, filename: str):
+    """A file in the hub cache's layout: models--OWNER--NAME/refs/main -> snapshots/COMMIT/filename."""
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text("0" * 40)
+    (folder / "snapshots" / ("0" * 40)).mkdir(parents=True, exist_ok=True)
+    (folder / "snapshots" / ("0" * 40) / filename).write_text("{}")
+
+
+def test_every_registry_scorer_says_which_hub_files_it_needs():
+    assert sorted(common.REWARDS) == sorted([*SCORER_REPOS, *NO_FILES])
+    for name, repos in SCORER_REPOS.items():
+        assert [repo for repo, _ in common.REWARDS[name].hub_files] == repos, name
+    assert not any(getattr(common.REWARDS[name], "hub_files", ()) for name in NO_FILES)
+
+
+@pytest.mark.parametrize("name", SCORER_REPOS)
+def test_a_scorer_not_in_the_hub_cache_is_one_line_before_anything_is_written(name, empty_hub, tmp_path, capsys,
+                                                                             monkeypatch):
+    """In each trainer, `common.py evaluate` and `common.py serve-reward`; then each of its repositories is named in
+    turn until all are cached, when it loads."""
+    from helpers import TRAINERS
+    monkeypatch.setattr(common.REWARDS[name], "__init__", lambda *a, **k: pytest.fail("the scorer loaded"))
+    repo = SCORER_REPOS[name][0]
+    calls = [lambda t=t: common.run_cli(importlib.import_module(t).main, importlib.import_module(t).Args,
+                                        importlib.import_module(t).MODEL_DEFAULTS,
+                                        ["--reward", name, "--output-dir", str(tmp_path / "run")]) for t in TRAINERS]
+    calls += [lambda: common.evaluate_main(["--model", "toy", "--reward", name, "--output", str(tmp_path / "run")]),
+              lambda: common.serve_reward(["--reward", name, "--port", "0"])]
+    for call in calls:
+        with pytest.raises(SystemExit) as stop:
+            call()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"error: --reward {name} needs {repo} " in err and f"`hf download {repo}`" in err, err
+        assert not (tmp_path / "run").exists()
+    for repo, filename in common.REWARDS[name].hub_files:
+        with pytest.raises(common.UsageError, match=re.escape(f"needs {repo} ({filename})")):
+            common.check_scorer_files(["jpeg", name])
+        cache_file(empty_hub, repo, filename)
+    common.check_scorer_files([name, "toy", "remote:http://127.0.0.1:1/x"])
+
+
+class silent_server:
+    """A TCP server that accepts every connection and never answers; the connections it holds are `accepted`."""
+
+    def __enter__(self):
+        self.sock, self.accepted = socket.create_server(("127.0.0.1", 0)), []
+        threading.Thread(target=self.accept, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/judge"
+        return self
+
+    def accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.sock.accept()[0])
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("kind,requests,timeout", [("silent", 20, 0.2), ("drip", 10, 0.5)])
+def test_requests_past_their_deadline_leave_no_thread_or_connection_behind(kind, requests, timeout):
+    """Requests to a server that never answers, or sends a byte every 0.2 s: each is closed at its deadline, so
+    the thread count is back where it was (the drip server's threads end when their client has gone)."""
+    with silent_server() if kind == "silent" else raw_server([DRIP]) as server:
+        baseline = threading.active_count()
+        reward = common.RemoteReward(server.url, timeout=timeout, retries=0)
+        for _ in range(requests):
+            with pytest.raises(common.TrainingStopped, match=f"no complete reply within {timeout:g} s"):
+                reward(images(1), ["a"])
+        tic = time.time()
+        while threading.active_count() > baseline and time.time() - tic < 2:
+            time.sleep(0.05)
+        assert threading.active_count() == baseline, threading.enumerate()
+        for conn in getattr(server, "accepted", []):  # the request, then the end of the connection (else a timeout)
+            conn.settimeout(2)
+            while conn.recv(65536):
+                pass
+            conn.close()
+        assert len(getattr(server, "accepted", range(requests))) == requests

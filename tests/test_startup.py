@@ -1,8 +1,9 @@
 """A bad start-up is one line on stderr and exit status 2, never a traceback, and nothing loads or is written
-first where the flags alone tell: one table of (trainer or "all", flags, the words the line must contain), run for
-every trainer (a forked trainer inherits it). {tmp} in a flag is the test's folder, {tiny-flux} / {tiny-sd3} the
-tiny pipelines. Then what is not a start-up: a full disk while logging or writing a grid, prompt files that must be
-read, an optimizer step that overflows the weights."""
+first where the flags alone tell: tables of (flags, the words the line must contain), this file's STARTUP run for
+every trainer, and each trainer's own STARTUP rows from its tests/test_<trainer>.py (with the FITS_SMALL flags it
+needs at the SMALL sizes), so a forked trainer brings its rows with its test file. {tmp} in a flag is the test's
+folder, {tiny-flux} / {tiny-sd3} the tiny pipelines. Then what is not a start-up: a full disk while logging or
+writing a grid, prompt files that must be read, an optimizer step that overflows the weights."""
 import importlib
 import json
 import os
@@ -15,80 +16,83 @@ import pytest
 import common
 from helpers import SMALL, TRAINERS, tiny_argv
 
-FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
+
+def own(trainer: str, table: str) -> list:
+    """A table of the trainer's own test module, tests/test_<trainer>.py ([] without one)."""
+    try:
+        module = importlib.import_module(f"test_{trainer}")
+    except ModuleNotFoundError as e:
+        if e.name != f"test_{trainer}":
+            raise
+        return []
+    return getattr(module, table, [])
 
 
 def small_run(trainer: str) -> list[str]:
     """The SMALL sizes, with what the trainer's method needs to fit them."""
-    return [*SMALL, *FITS_SMALL.get(trainer, [])]
+    return [*SMALL, *own(trainer, "FITS_SMALL")]
 
 
 NO_PIPELINE, CHECKPOINTS = "{tmp}/not_a_pipeline", "{tmp}/run0/checkpoints"
 STARTUP = [
-    ("all", ["--seed", "-1"], "--seed -1 must be at least 0"),
-    ("all", ["--seed", "1e23"], "argument --seed: invalid int value: '1e23'"),
-    ("all", ["--seed", str(2**64)], f"--seed {2**64} must be at least 0 and at most {2**63 - 1}"),
-    ("all", ["--model-path", "/nonexistent"], "no toy weights in /nonexistent"),
-    ("all", ["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
-    ("all", ["--model", "flux", "--model-path", NO_PIPELINE], "is not a diffusers pipeline folder"),
-    ("all", ["--model", "sd3", "--model-path", "nobody/no-such-model"],
+    (["--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--seed", "1e23"], "argument --seed: invalid int value: '1e23'"),
+    (["--seed", str(2**64)], f"--seed {2**64} must be at least 0 and at most {2**63 - 1}"),
+    (["--model-path", "/nonexistent"], "no toy weights in /nonexistent"),
+    (["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
+    (["--model", "flux", "--model-path", NO_PIPELINE], "is not a diffusers pipeline folder"),
+    (["--model", "flux", "--model-path", "{tmp}/cut_short"],
+     "cut_short/transformer/config.json is missing or not a JSON object: save the pipeline again"),
+    (["--model", "sd3", "--model-path", "{tmp}/no_transformer"],
+     "no_transformer/transformer/config.json is missing or not a JSON object"),
+    (["--model", "sd3", "--model-path", "{tmp}/bad_index"],
+     "bad_index/model_index.json is missing or not a JSON object"),
+    (["--model", "sd3", "--model-path", "nobody/no-such-model"],
      "the model repository nobody/no-such-model is not in the hub cache and HF_HUB_OFFLINE is set: download it "
-     "with `huggingface-cli download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
-    ("all", ["--model", "flux", "--resolution", "0"], "--resolution 0 must be at least 16"),
-    ("all", ["--model", "sd3", "--resolution", "7"], "--resolution 7 must be at least 16"),
-    ("all", ["--model", "flux", "--resolution", "-16"], "--resolution -16 must be at least 16"),
-    ("all", ["{tiny-flux}", "--resolution", "24"], "--resolution 24 must be a positive multiple of 16 for FLUX"),
-    ("all", ["{tiny-sd3}", "--resolution", "40"], "--resolution 40 must be a positive multiple of 16 for SD3"),
-    ("all", ["--max-sequence-length", "-5"], "--max-sequence-length -5 must be at least 1"),
-    ("all", ["--max-sequence-length", "0"], "--max-sequence-length 0 must be at least 1"),
-    ("all", ["--max-sequence-length", "513"], "--max-sequence-length 513 must be at least 1 and at most 512"),
-    ("all", ["--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
-    ("all", ["--lr", "1e38"], "--lr 1e+38 must be at least 1e-12 and at most 1"),
-    ("all", ["--lr", "inf"], "--lr inf must be at least 1e-12 and at most 1"),
-    ("all", ["--guidance-scale", "1e39"], "--guidance-scale 1e+39 must be at least 0"),  # finite, not in float32
-    ("all", ["--iterations", str(10**20)], f"--iterations {10**20} must be at least 0 and at most 1000000000"),
-    ("all", ["--model", "sd3", "--resolution", "8192"], "--resolution 8192 must be at least 16 and at most 4096"),
-    ("all", ["--weight-decay=-inf"], "--weight-decay -inf must be at least 0"),
-    ("all", ["--time-budget", "nan"], "--time-budget nan must be at least 0"),
-    ("all", ["--wandb"], "--wandb needs the wandb package: pip install wandb, or drop --wandb"),
-    ("all", ["--prompts", "{tmp}/deep.jsonl"], "deep.jsonl:1 is not a JSON object"),
-    ("all", ["--output-dir", ""], "--output-dir '' is empty"),
-    ("all", ["--resume", ""], "--resume '' is empty"),
-    ("all", ["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 has no readable checkpoint.json"),
-    ("all", ["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
-                                                        "checkpoint of these trainers or it is corrupt (it must name "
-                                                        "one of the models toy, flux, sd3"),
-    ("all", ["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
-    ("all", ["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
-    ("pro_grpo", ["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
-    ("pro_grpo", ["--baseline-group", "-5"], "--baseline-group -5 must be at least 2"),
-    ("g2rpo", ["--grid-shift", "0"], "--grid-shift 0.0 must be at least 1e-12"),
-    ("g2rpo", ["--grid-shift", "-1"], "--grid-shift -1.0 must be at least 1e-12"),
-    ("g2rpo", ["--grid-shift", "nan"], "--grid-shift nan must be at least 1e-12"),
-    ("flow_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
-    ("flow_grpo", ["--timestep-fraction", "inf"], "--timestep-fraction inf must be at least 0 and at most 1"),
-    ("flow_grpo", ["--sde-window", "3"], "--sde-window 3 does not fit in --sde-window-range 0,2: need 0 <= LO and "
-                                         "W <= HI - LO"),   # SMALL: 4 steps, so the default range is 0,T//2 = 0,2
-    ("flow_grpo", ["--sde-window", "1", "--sde-window-range", "0,4"], "--sde-window-range 0,4 reaches past step "
-                                                                     "T - 1 = 3 of --sample-steps 4"),
-    ("flow_grpo", ["--sde-window", "1", "--sde-window-range=-1,2"], "does not fit in --sde-window-range -1,2"),
-    ("flow_grpo", ["--sde-window", "1", "--sde-window-range", "0:2"], "--sde-window-range '0:2' must be two "
-                                                                     "integers LO,HI"),
-    ("flow_grpo", ["--sde-type", "cps", "--noise-level", "1.5"], "--noise-level 1.5 must be in (0, 1] with --sde-type "
-                                                                 "cps"),
-    ("flow_grpo", ["--sde-type", "cps", "--timestep-fraction", "1"], "--sde-type cps cannot train the last step"),
-    ("flow_grpo", ["--sde-type", "ddim"], "argument --sde-type: invalid choice: 'ddim'"),
-    ("pro_grpo", ["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
-    ("v_grpo", ["--soft-clip", "nan"], "--soft-clip nan must be at least 0"),
+     "with `hf download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
+    (["--model", "flux", "--resolution", "0"], "--resolution 0 must be at least 16"),
+    (["--model", "sd3", "--resolution", "7"], "--resolution 7 must be at least 16"),
+    (["--model", "flux", "--resolution", "-16"], "--resolution -16 must be at least 16"),
+    (["{tiny-flux}", "--resolution", "24"], "--resolution 24 must be a positive multiple of 16 for FLUX"),
+    (["{tiny-sd3}", "--resolution", "40"], "--resolution 40 must be a positive multiple of 16 for SD3"),
+    (["--max-sequence-length", "-5"], "--max-sequence-length -5 must be at least 1"),
+    (["--max-sequence-length", "0"], "--max-sequence-length 0 must be at least 1"),
+    (["--max-sequence-length", "513"], "--max-sequence-length 513 must be at least 1 and at most 512"),
+    (["--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
+    (["--lr", "1e38"], "--lr 1e+38 must be at least 1e-12 and at most 1"),
+    (["--lr", "inf"], "--lr inf must be at least 1e-12 and at most 1"),
+    (["--guidance-scale", "1e39"], "--guidance-scale 1e+39 must be at least 0"),  # finite, not in float32
+    (["--iterations", str(10**20)], f"--iterations {10**20} must be at least 0 and at most 1000000000"),
+    (["--model", "sd3", "--resolution", "8192"], "--resolution 8192 must be at least 16 and at most 4096"),
+    (["--weight-decay=-inf"], "--weight-decay -inf must be at least 0"),
+    (["--time-budget", "nan"], "--time-budget nan must be at least 0"),
+    (["--wandb"], "--wandb needs the wandb package: pip install wandb, or drop --wandb"),
+    (["--prompts", "{tmp}/deep.jsonl"], "deep.jsonl:1 is not a JSON object"),
+    (["--output-dir", ""], "--output-dir '' is empty"),
+    (["--resume", ""], "--resume '' is empty"),
+    (["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 has no readable checkpoint.json"),
+    (["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
+                                                 "checkpoint of these trainers or it is corrupt (it must name one of "
+                                                 "the models toy, flux, sd3"),
+    (["--reward", "toy:1e39"], "weight 1e39 for reward 'toy' in --reward 'toy:1e39' is beyond float32"),
+    (["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
+    (["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
 ]
 
 
 def make_files(tmp: Path):
-    """The files the table names: a folder that is not a pipeline, a .jsonl nested 100,000 deep, a run whose
-    checkpoints have a corrupt checkpoint.json and one naming an unknown model."""
+    """The files the table names: a folder that is not a pipeline, pipelines with a damaged or missing config, a
+    .jsonl nested 100,000 deep, a run whose checkpoints have a corrupt checkpoint.json and one naming an unknown
+    model."""
     (tmp / "not_a_pipeline").mkdir()
     (tmp / "not_a_pipeline" / "config.json").write_text("{}")
     (tmp / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for name, index, config in [("cut_short", "{}", '{"_class_name": "Flux'), ("no_transformer", "{}", None),
+                                ("bad_index", "[]", "{}")]:  # a truncated config, none, an index not an object
+        (tmp / name / "transformer").mkdir(parents=True)
+        (tmp / name / "model_index.json").write_text(index)
+        if config is not None:
+            (tmp / name / "transformer" / "config.json").write_text(config)
     for name, info in [("iter_000001", '{"model": "toy", "iter'), ("iter_000002", '{"model": "sdxl", "iteration": 2}')]:
         folder = tmp / "run0" / "checkpoints" / name
         folder.mkdir(parents=True)
@@ -107,7 +111,7 @@ def one_line(capsys, module, argv: list[str], code: int = 2) -> str:
     return lines[0]
 
 
-CASES = [(trainer, flags, words) for trainer in TRAINERS for who, flags, words in STARTUP if who in ("all", trainer)]
+CASES = [(trainer, flags, words) for trainer in TRAINERS for flags, words in [*STARTUP, *own(trainer, "STARTUP")]]
 
 
 @pytest.mark.parametrize("trainer,flags,words", CASES, ids=[f"{t} {' '.join(f)}" for t, f, _ in CASES])
@@ -124,6 +128,15 @@ def test_a_bad_startup_is_one_line(trainer, flags, words, tmp_path, capsys, monk
     err = one_line(capsys, module, [*small_run(trainer), "--output-dir", str(out), *argv])
     assert "error: " in err and words in err, err
     assert tiny or not out.exists()                                 # refused before the run folder was made
+
+
+def test_a_forked_trainer_brings_its_rows_with_its_test_file(tmp_path, monkeypatch):
+    (tmp_path / "test_my_method.py").write_text('STARTUP = [(["--my-flag", "0"], "--my-flag 0 must be at least 1")]\n'
+                                                'FITS_SMALL = ["--group-size", "8"]\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert own("my_method", "STARTUP") == [(["--my-flag", "0"], "--my-flag 0 must be at least 1")]
+    assert small_run("my_method") == [*SMALL, "--group-size", "8"] and own("no_such_method", "STARTUP") == []
+    assert ("pro_grpo", ["--baseline-group", "0"], "--baseline-group 0 must be at least 2") in CASES
 
 
 def full_disk_after(monkeypatch, name: str, good_writes: int):

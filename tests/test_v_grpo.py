@@ -10,6 +10,12 @@ import v_grpo
 from helpers import SMALL, model_argv, read_metrics, run, small, straight_and_resumed, tiny_argv, torchrun
 
 
+# Start-up rows of v_grpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line).
+STARTUP = [
+    (["--soft-clip", "nan"], "--soft-clip nan must be at least 0"),
+]
+
+
 class ConstantVelocity:
     """A stand-in adapter whose network predicts the same velocity c everywhere, so x_hat = x - t c by hand."""
 
