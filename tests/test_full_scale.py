@@ -95,12 +95,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     (r,) = [json.loads(s) for s in (out / "results.jsonl").read_text().splitlines()]
     assert r["status"] == "ok", r
-    # SD3's last block is context_pre_only: its text queries reach no output, so the LoRA on its attn.add_q_proj
-    # gets no gradient and Preflight's "tensors with a gradient" FAILs, which random weights do not explain
-    known = {"sd3": ["sd3 v_grpo: preflight FAIL tensors with a gradient"]}.get(family, [])
-    assert gpu_check.findings([r]) == known, r["preflight_fails"]
-    assert proc.returncode == (1 if known else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "".join(f"\n{f}" for f in known) in proc.stdout
+    assert gpu_check.findings([r]) == [] and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"| {family} | {trainer} | on | 64 |" in proc.stdout
     # the counts are the run's: one prompt, a group of 2, 4 sampling steps
     if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
@@ -115,6 +110,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
     assert status["pickscore: mean on base-model images"] == "WARN"          # random weights: far from 0.81-0.9
     assert status["pickscore: right vs shifted prompts"] == "FAIL"                # no prompt read by random weights
     assert "pickscore: right vs shifted prompts" in r["preflight_fails"]
+    assert status["tensors with a gradient"] == "PASS"     # on SD3, with the LoRA no loss reaches named in its value
 
 
 @pytest.mark.slow
