@@ -28,7 +28,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import gc
 import io
 import itertools
 import json
@@ -49,7 +48,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401 - before any process group exists (cleanup_runtime)
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
@@ -1101,13 +1099,8 @@ def print0(*args, **kwargs):
 
 
 def cleanup_runtime():
-    """Destroys the process group and collects what still refers to it: a gloo group that outlives it into the
-    interpreter's exit aborts the process ("terminate called without an active exception"). torch.distributed.nn,
-    imported by DDP and FSDP, binds the group as its functions' default argument: it is imported at the top, before
-    any group exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()
 
 
 class UsageError(ValueError):
