@@ -1073,14 +1073,17 @@ class TrainingStopped(RuntimeError):
 
 
 def check_flag(name: str, value, at_least: float | None = None, at_most: float | None = None):
-    """Raises a UsageError naming --name unless `value` is a number finite in float32 (where the models compute)
-    and within the bounds; None (unset) passes."""
-    if value is None:
+    """Raises a UsageError naming --name unless `value` is a number within the bounds and within float32's range
+    (where the models compute); None (unset) passes."""
+    big = float(torch.finfo(torch.float32).max)
+    lo, hi = max(-big, -big if at_least is None else at_least), min(big, big if at_most is None else at_most)
+    if value is None or isinstance(value, (int, float)) and lo <= value <= hi:
         return
-    ok = isinstance(value, (int, float)) and abs(value) <= torch.finfo(torch.float32).max
-    if not (ok and (at_least is None or value >= at_least) and (at_most is None or value <= at_most)):
-        bounds = [f"{word} {b}" for word, b in (("at least", at_least), ("at most", at_most)) if b is not None]
-        raise UsageError(f"--{name.replace('_', '-')} {value} must be {' and '.join(bounds) or 'a finite number'}")
+    number = isinstance(value, (int, float)) and value == value  # NaN is not
+    low = f"at least {at_least}" if lo > -big else f"at least {-big:.2g}, float32's lowest" * (number and value < lo)
+    high = f"at most {at_most}" if hi < big else f"at most {big:.2g}, float32's largest" * (number and value > hi)
+    bounds = " and ".join(filter(None, (low, high))) or "a number"
+    raise UsageError(f"--{name.replace('_', '-')} {value} must be {bounds}{'' if number else ' (it is not a number)'}")
 
 
 def at_least(minimum: float, **flags):
@@ -1091,31 +1094,46 @@ def at_least(minimum: float, **flags):
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
     """`python <trainer>.py ...`: parses the command line and runs main with SIGTERM / SIGINT turned into a
-    request to checkpoint and stop (`signalled`). A UsageError or TrainingStopped is one line on stderr and exit
-    status 2 or the stop's own, without a traceback. A run stopped by a failed reward, or by an error of a single
-    process, is first checkpointed by its TrainingLoop (`after_failure`)."""
-    prog = Path(sys.argv[0]).name
+    request to checkpoint and stop (`signalled`), its errors as one line (`one_line_errors`). A run stopped by a
+    failed reward, or by an error of a single process, is first checkpointed by its TrainingLoop (`after_failure`)."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active = None
     try:
-        try:
-            main(cli(args_cls, argv, model_defaults))
-        except Exception as e:
-            if TrainingLoop.active is None or isinstance(e, UsageError):
-                raise
-            TrainingLoop.active.after_failure(e)
-    except UsageError as e:
-        print0(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print0(f"{prog}: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        with one_line_errors(Path(sys.argv[0]).name):
+            try:
+                main(cli(args_cls, argv, model_defaults))
+            except Exception as e:
+                if TrainingLoop.active is None or isinstance(e, UsageError):
+                    raise
+                TrainingLoop.active.after_failure(e)
     finally:
         TrainingLoop.active = None
         for s, h in handlers.items():
             signal.signal(s, h)
         _release_folder()
         cleanup_runtime()
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    """A UsageError or TrainingStopped as one line (`report`) and exit status 2 or the stop's own, no traceback."""
+    try:
+        yield
+    except UsageError as e:
+        report(f"{prog}: error: {e}", 2)
+    except TrainingStopped as e:
+        report(f"{prog}: {e}", e.exit_code)
+
+
+def report(line: str, exit_code: int):
+    """Prints `line` on rank 0 and exits; under torchrun every rank also writes it to its elastic error file, as
+    torch.distributed.elastic's `record` does, so that torchrun reports it as the root cause."""
+    print0(line, file=sys.stderr)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(exit_code)
 
 
 _SIGNALLED = {"signum": 0, "blocking": False}
@@ -1165,7 +1183,7 @@ class Parser(argparse.ArgumentParser):
     """argparse reporting a bad command line in one line ("prog: error: ...", exit status 2), without the usage."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        report(f"{self.prog}: error: {message}", 2)
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
@@ -2152,15 +2170,9 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs only)")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
-    a = ap.parse_args(argv)
     try:
-        return _evaluate_main(a)
-    except UsageError as e:
-        print0(f"common.py evaluate: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print0(f"common.py evaluate: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        with one_line_errors(ap.prog):
+            return _evaluate_main(ap.parse_args(argv))
     finally:
         cleanup_runtime()
 

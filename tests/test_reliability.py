@@ -523,7 +523,9 @@ BAD_FLAGS = [
     (["--eval-images", "0"], "--eval-images 0 must be at least 1"),
     (["--sample-steps", "0"], "--sample-steps 0 must be at least 1"),
     (["--iterations", "-1"], "--iterations -1 must be at least 0"),
-    (["--lr", "nan"], "--lr nan must be at least"),
+    (["--lr", "nan"], "--lr nan must be at least 1e-12 and at most 1 (it is not a number)"),
+    (["--grad-clip", "1e39"], "--grad-clip 1e+39 must be at least 1e-12 and at most 3.4e+38, float32's largest"),
+    (["--weight-decay=-1e39"], "--weight-decay -1e+39 must be at least 0"),
     (["--max-bad-steps", "0"], "--max-bad-steps 0 must be at least 1"),
     (["--reward", "aesthetics"], "unknown or repeated reward 'aesthetics'"),
     (["--reward", "toy:nan"], "bad weight 'nan' for reward 'toy'"),
@@ -568,7 +570,8 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
     (tmp_path / "a_file").write_text("x")
     err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
                                           str(tmp_path / "a_file" / "run")])
-    assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable folder" in err
+    assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable " \
+           f"folder" in err
 
 
 def test_the_real_entry_point_prints_one_line(tmp_path):
@@ -578,6 +581,22 @@ def test_the_real_entry_point_prints_one_line(tmp_path):
     errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert errors == ["g2rpo.py: error: --micro-batch 0 must be at least 1"], out.stderr
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("flow_grpo.py", [*TOY, "--micro-batch", "0"], "flow_grpo.py: error: --micro-batch 0 must be at least 1"),
+    ("flow_grpo.py", [*TOY, "--micro-batch", "x"], "flow_grpo.py: error: argument --micro-batch: invalid int value"),
+    ("common.py", ["evaluate", "--model", "toy", "--steps", "0"],
+     "common.py evaluate: error: --steps 0 must be at least 1"),
+])
+def test_under_torchrun_the_workers_line_is_the_root_cause(script, argv, message, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(torchrun_cmd(script, [*argv, "--output-dir" if script != "common.py" else "--output",
+                                               tmp_path / "r"]),
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    cause = out.stderr.split("Root Cause")[-1]
+    assert out.returncode != 0 and f"traceback : {message}" in cause and "<N/A>" not in cause, out.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
 
 
 def test_validation_never_uses_assert():
