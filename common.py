@@ -1448,15 +1448,22 @@ class TrainingLoop:
         """Ends a run stopped by exception `e` (run_cli calls it), keeping what it can, by raising the TrainingStopped
         that says what was kept. Raised as they are: a TrainingStopped without `save_state` (the weights may not be
         finite, a write failed, a signal was handled) and, under torchrun, any other exception (it may be on one
-        rank only). Otherwise the weights are intact: if no optimizer step of the current iteration has run, its
-        starting state is checkpointed (by the usual signal stop if a signal cut a blocking call short), else the
-        line names the newest checkpoint."""
+        rank only). Otherwise the weights are intact: before the run's first optimizer step they are those it
+        started from, so nothing is saved and the line says to rerun the command; else if no optimizer step of the
+        current iteration has run, its starting state is checkpointed (by the usual signal stop if a signal cut a
+        blocking call short), else the line names the newest checkpoint."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
         if not intact or self.preflight:  # a preflight never leaves a checkpoint
             raise e
         what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
         if not isinstance(e, TrainingStopped):
             traceback.print_exception(e)
+        if not self.dirty and self.it == self.run.start:  # the state it started from: nothing new to save
+            signum = signalled(self.rt.device)
+            start = self.run.checkpoint.name if self.run.checkpoint else "the untrained weights"
+            raise TrainingStopped(f"{what}; no optimizer step had run since the start from {start}, so nothing was "
+                                  f"saved: rerun the same command to {'continue' if self.run.checkpoint else 'start'}",
+                                  128 + signum if signum else getattr(e, "exit_code", 1))
         if not self.dirty:
             self.stop_if_signalled(self.it)
             saved = self.save(self.it)
@@ -1465,7 +1472,7 @@ class TrainingLoop:
         newest = newest_checkpoint(self.run.dir)
         raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
                               (f"the newest checkpoint is {newest.name}, continue with --resume {self.run.dir}"
-                               if newest else "there is no checkpoint yet"))
+                               if newest else "there is no checkpoint yet: start over in a new --output-dir"))
 
     def evaluate(self, it: int) -> dict:
         """The held-out evaluation (of the EMA weights, if kept) and its image grid eval_NNNNNN.png, a row per
@@ -1720,7 +1727,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
                 break
     writable_folder(run_dir, "--output-dir")
     lock = _hold_folder(run_dir)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
+    if holds_run(run_dir):
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
@@ -1736,6 +1743,14 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     return Run(run_dir, meta, dataclasses.asdict(args), checkpoint, start)
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir holds a run: checkpoints/, or a metrics.jsonl line besides the markers of starts that stopped
+    before their first iteration ended (a folder holding only .lock, args.json, ... starts afresh)."""
+    metrics = run_dir / "metrics.jsonl"
+    return (run_dir / "checkpoints").is_dir() or metrics.is_file() and any(
+        line.strip() and not line.startswith('{"resumed"') for line in metrics.read_text(errors="replace").splitlines())
 
 
 def writable_folder(folder: Path, flag: str):
@@ -1812,7 +1827,8 @@ def checkpoint_info(checkpoint: Path) -> dict:
     try:
         info = json.loads((checkpoint / "checkpoint.json").read_text())
         if all(type(info[k]) in (t if isinstance(t, tuple) else (t,)) for k, t in CHECKPOINT_KEYS.items()) and \
-                info["model"] in MODELS and info["iteration"] >= 0 and math.isfinite(info["elapsed"]):
+                info["model"] in MODELS and info["iteration"] >= 0 and info["world_size"] >= 1 and \
+                info["lora_rank"] >= 0 and 0 <= info["elapsed"] < math.inf:
             return info
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         pass
@@ -1844,9 +1860,12 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
     import torch.distributed.checkpoint as dcp
     try:
         saved = dcp.FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata
-        parts = ["params"] + ["optimizer"] * info["optimizer_stepped"] + ["ema"] * info["ema"]
-        if missing := [p for p in parts if not any(k.startswith(p + ".") for k in saved)]:
-            raise KeyError(f"no {missing[0]} in it")
+        n, groups = sum(k.startswith("params.") for k in saved), {k.rsplit(".", 1)[0] for k in saved}
+        need = [f"params.{i}" for i in range(n or 1)] + [f"ema.{i}" for i in range(n) if info["ema"]]
+        if info["optimizer_stepped"]:  # AdamW's per-tensor state and its parameter group
+            need += ["optimizer.param_groups.0"] + [f"optimizer.state.{i}" for i in range(n)]
+        if missing := next((k for k in need if k not in saved and k not in groups), None):
+            raise KeyError(f"no {missing} in it")
     except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file raises many kinds
         raise UsageError(f"checkpoint {checkpoint}: its training state state/ is unreadable ({one_line(e)}); it is "
                          f"corrupt or incomplete: resume from an earlier checkpoints/iter_* folder in a new "
@@ -1864,6 +1883,7 @@ def one_line(e: BaseException) -> str:
     failure, the first rank's)."""
     e = next(iter(getattr(e, "failures", {}).values()), e)   # CheckpointException: {rank: WrappedException}
     e = getattr(e, "exc", e)
+    e = e[0] if isinstance(e, tuple) else e                   # (exception, its frames)
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
@@ -1906,7 +1926,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str):
-    """Writes a checkpoint into the new `folder` (made with the process's umask); every rank calls it:
+    """Writes a checkpoint into the new `folder`, its files and folders with the process's umask; every rank calls it:
       - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
         fine-tuning: the EMA weights when there is an EMA;
       - state/: the training state (training_state: exact weights, AdamW state, EMA) in torch.distributed.checkpoint's
@@ -1937,6 +1957,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                 elif rt.is_main:
                     adapter.transformer.save_pretrained(folder / "transformer")
             if rt.is_main:
+                for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
+                    path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped}
                 (folder / "checkpoint.json").write_text(json.dumps(info, indent=2))
         except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
