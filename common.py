@@ -2121,8 +2121,9 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the ODE sampler, split over the ranks. Image i has prompt i mod len(records) and
-    noise seeded by (seed, i): the same result for any number of ranks or batch size. Returns (metrics, rows):
+    """Held-out evaluation with the ODE sampler, split over the ranks (rank 0 shows a progress bar). Image i has
+    prompt i mod len(records) and noise seeded by (seed, i): the same result for any number of ranks or batch size.
+    Returns (metrics, rows):
       metrics  eval_reward (the weighted sum's mean) and eval_<name> per scorer, each with its standard error
                (eval_..._se: sample std / sqrt(n)), and eval_accuracy with `accuracy_fn`;
       rows     [(prompt, images (n, 3, H, W))] on every rank: the first grid[0] prompts, up to grid[1] images each."""
@@ -2132,22 +2133,25 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     P, (max_rows, max_cols) = len(records), grid
     shown = {i for i in range(min(num_images, P * max_cols)) if i % P < max_rows}
     scores, kept = {}, {}  # image index -> [weighted sum, *scorers, accuracy]; image index -> uint8 image for the grid
-    for i in range(0, -(-num_images // runtime.world_size), batch_size):  # as many batches on every rank (FSDP)
-        chunk = mine[i: i + batch_size]
-        if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
-            prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
-            x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
-            reward_fn(adapter.decode(x), prompt, records[:1])
-            continue
-        recs = [records[j % P] for j in chunk]
-        prompts = [r["prompt"] for r in recs]
-        x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
-        imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
-        total, parts = reward_fn(imgs, prompts, recs)
-        accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
-        columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
-        scores.update(zip(chunk, columns.double().cpu().tolist()))
-        kept.update({j: im for j, im in zip(chunk, _to_uint8(imgs)) if j in shown})
+    batches = range(0, -(-num_images // runtime.world_size), batch_size)  # as many batches on every rank (FSDP)
+    from tqdm import tqdm
+    with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
+        for i in bar:
+            chunk = mine[i: i + batch_size]
+            if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
+                prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
+                x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
+                reward_fn(adapter.decode(x), prompt, records[:1])
+                continue
+            recs = [records[j % P] for j in chunk]
+            prompts = [r["prompt"] for r in recs]
+            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
+            imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
+            total, parts = reward_fn(imgs, prompts, recs)
+            accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
+            columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
+            scores.update(zip(chunk, columns.double().cpu().tolist()))
+            kept.update({j: im for j, im in zip(chunk, _to_uint8(imgs)) if j in shown})
     if dist.is_initialized():
         gathered = [None] * runtime.world_size
         dist.all_gather_object(gathered, (scores, kept))
@@ -2167,6 +2171,14 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
 EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40)}  # -> (reward, ODE steps)
+# Its settings: flag -> (the run's args.json key, type, at least, at most), bounded as the trainers bound theirs.
+EVAL_SETTINGS = {"images": ("eval_images", int, 1, 100_000), "steps": ("eval_steps", int, 1, 1000),
+                 "seed": ("seed", int, 0, 2**63 - 1), "resolution": ("resolution", int, 16, 4096),
+                 "guidance_scale": ("guidance_scale", (int, float), 0, None),
+                 "max_sequence_length": ("max_sequence_length", int, 1, 512), "threads": (None, int, 1, 1024),
+                 "batch_size": (None, int, 1, None), "model_path": ("model_path", str, None, None),
+                 "reward": ("reward", str, None, None), "prompts": ("prompts", str, None, None),
+                 "dtype": ("dtype", str, None, None)}
 
 
 def evaluate_main(argv=None) -> dict:
@@ -2200,6 +2212,9 @@ def evaluate_main(argv=None) -> dict:
 
 
 def _evaluate_main(a) -> dict:
+    for flag, (_, _, low, high) in EVAL_SETTINGS.items():
+        if low is not None:
+            check_flag(flag, getattr(a, flag), low, high)
     if len(a.checkpoint) > 2:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
@@ -2208,9 +2223,7 @@ def _evaluate_main(a) -> dict:
             entries.append(("base", None, {}, {}))
             continue
         checkpoint = find_checkpoint(spec, "--checkpoint")
-        args_file = checkpoint.parent.parent / "args.json"
-        entries.append((spec, checkpoint, checkpoint_info(checkpoint),
-                        json.loads(args_file.read_text()) if args_file.is_file() else {}))
+        entries.append((spec, checkpoint, checkpoint_info(checkpoint), run_settings(checkpoint.parent.parent)))
     folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
     if len(folders) == 2 and folders[0] == folders[1]:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
@@ -2230,9 +2243,6 @@ def _evaluate_main(a) -> dict:
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
     seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
-    at_least(1, images=images, steps=steps, batch_size=a.batch_size, resolution=a.resolution,
-             max_sequence_length=a.max_sequence_length, threads=a.threads)
-    at_least(0, guidance_scale=a.guidance_scale, seed=a.seed)
     check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
@@ -2281,6 +2291,28 @@ def _evaluate_main(a) -> dict:
         save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
         print(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
     return results
+
+
+def run_settings(run_dir: Path) -> dict:
+    """A run's args.json ({} if it has none) as `common.py evaluate` takes its settings: a JSON object whose settings
+    of EVAL_SETTINGS have their types and bounds, else one line naming the file."""
+    path = run_dir / "args.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        for key, kind, low, high in EVAL_SETTINGS.values():
+            value = config.get(key)
+            if key and value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise ValueError(f"{key} {value!r} is not {({int: 'an integer', str: 'text'}).get(kind, 'a number')}")
+            if key and low is not None:
+                check_flag(key, value, low, high)
+    except (OSError, ValueError, RecursionError) as e:  # a UsageError of check_flag too
+        raise UsageError(f"{path} does not hold a run's settings ({e}): repair it, or move it aside and pass the run's "
+                         f"settings as flags (--model-path, --reward, --prompts, --steps, ...)") from None
+    return config
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
