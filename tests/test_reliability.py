@@ -348,6 +348,9 @@ DAMAGES = {
                             STATE + " (KeyError: 'no optimizer.param_groups.0 in it')"),
     "no optimizer state": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {}}}),
                            STATE + " (KeyError: 'no optimizer.state.0 in it')"),
+    "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
+        **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
+        "its training state state/ does not load into this run (ValueError: Size mismatch"),
     "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE + " (UnpicklingError"),
     "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE + " (UnpicklingError"),
     **{f"checkpoint.json {what}": (write("checkpoint.json", data), "has no readable checkpoint.json")
