@@ -1118,14 +1118,17 @@ class TrainingStopped(RuntimeError):
 
 
 def check_flag(name: str, value, at_least: float | None = None, at_most: float | None = None):
-    """Raises a UsageError naming --name unless `value` is a number finite in float32 (where the models compute)
-    and within the bounds; None (unset) passes."""
-    if value is None:
+    """Raises a UsageError naming --name unless `value` is a number within the bounds and within float32's range
+    (where the models compute); None (unset) passes."""
+    big = float(torch.finfo(torch.float32).max)
+    lo, hi = max(-big, -big if at_least is None else at_least), min(big, big if at_most is None else at_most)
+    if value is None or isinstance(value, (int, float)) and lo <= value <= hi:
         return
-    ok = isinstance(value, (int, float)) and abs(value) <= torch.finfo(torch.float32).max
-    if not (ok and (at_least is None or value >= at_least) and (at_most is None or value <= at_most)):
-        bounds = [f"{word} {b}" for word, b in (("at least", at_least), ("at most", at_most)) if b is not None]
-        raise UsageError(f"--{name.replace('_', '-')} {value} must be {' and '.join(bounds) or 'a finite number'}")
+    number = isinstance(value, (int, float)) and value == value  # NaN is not
+    low = f"at least {at_least}" if lo > -big else f"at least {-big:.2g}, float32's lowest" * (number and value < lo)
+    high = f"at most {at_most}" if hi < big else f"at most {big:.2g}, float32's largest" * (number and value > hi)
+    bounds = " and ".join(filter(None, (low, high))) or "a number"
+    raise UsageError(f"--{name.replace('_', '-')} {value} must be {bounds}{'' if number else ' (it is not a number)'}")
 
 
 def at_least(minimum: float, **flags):
@@ -1136,31 +1139,46 @@ def at_least(minimum: float, **flags):
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
     """`python <trainer>.py ...`: parses the command line and runs main with SIGTERM / SIGINT turned into a
-    request to checkpoint and stop (`signalled`). A UsageError or TrainingStopped is one line on stderr and exit
-    status 2 or the stop's own, without a traceback. A run stopped by a failed reward, or by an error of a single
-    process, is first checkpointed by its TrainingLoop (`after_failure`)."""
-    prog = Path(sys.argv[0]).name
+    request to checkpoint and stop (`signalled`), its errors as one line (`one_line_errors`). A run stopped by a
+    failed reward, or by an error of a single process, is first checkpointed by its TrainingLoop (`after_failure`)."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     try:
-        try:
-            main(cli(args_cls, argv, model_defaults))
-        except Exception as e:
-            if TrainingLoop.active is None or isinstance(e, UsageError):
-                raise
-            TrainingLoop.active.after_failure(e)
-    except UsageError as e:
-        print0(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print0(f"{prog}: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        with one_line_errors(Path(sys.argv[0]).name):
+            try:
+                main(cli(args_cls, argv, model_defaults))
+            except Exception as e:
+                if TrainingLoop.active is None or isinstance(e, UsageError):
+                    raise
+                TrainingLoop.active.after_failure(e)
     finally:
         TrainingLoop.active, _SIGNALLED["signum"] = None, 0
         for s, h in handlers.items():
             signal.signal(s, h)
         _release_folder()
         cleanup_runtime()
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    """A UsageError or TrainingStopped as one line (`report`) and exit status 2 or the stop's own, no traceback."""
+    try:
+        yield
+    except UsageError as e:
+        report(f"{prog}: error: {e}", 2)
+    except TrainingStopped as e:
+        report(f"{prog}: {e}", e.exit_code)
+
+
+def report(line: str, exit_code: int):
+    """Prints `line` on rank 0 and exits; under torchrun every rank also writes it to its elastic error file, as
+    torch.distributed.elastic's `record` does, so that torchrun reports it as the root cause."""
+    print0(line, file=sys.stderr)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(exit_code)
 
 
 _SIGNALLED = {"signum": 0, "blocking": False}
@@ -1210,7 +1228,7 @@ class Parser(argparse.ArgumentParser):
     """argparse reporting a bad command line in one line ("prog: error: ...", exit status 2), without the usage."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        report(f"{self.prog}: error: {message}", 2)
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
@@ -1471,17 +1489,19 @@ class TrainingLoop:
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called
         at the start of each iteration, after each rollout micro-batch and before the update (the rollout is dropped:
-        no optimizer step has run). Nothing is saved under --preflight, nor at the start of a fresh run, whose state
-        is the base model's: the same command starts it again."""
+        no optimizer step has run). Nothing is saved under --preflight, nor before the run's first optimizer step (its
+        state is the one it started from): the same command starts it again."""
         signum = signalled(self.rt.device)
         if not signum:
             return
         name, code = signal.Signals(signum).name, 128 + signum
         if self.preflight:
             raise TrainingStopped(f"preflight stopped by {name}; nothing was saved", exit_code=code)
-        if it == self.run.start and self.run.checkpoint is None:
-            raise TrainingStopped(f"stopped by {name} before the first update; nothing to save: run the same command "
-                                  f"to start again", exit_code=code)
+        if it == self.run.start:  # the state it started from
+            start = self.run.checkpoint.name if self.run.checkpoint else "the untrained weights"
+            raise TrainingStopped(f"stopped by {name} before the first optimizer step since the start from {start}, "
+                                  f"so nothing was saved: rerun the same command to "
+                                  f"{'continue' if self.run.checkpoint else 'start'}", exit_code=code)
         self.save(it)
         raise TrainingStopped(f"stopped by {name} at iteration {it}, checkpoint saved; continue with --resume "
                               f"{self.run.dir}", exit_code=code)
@@ -1490,15 +1510,22 @@ class TrainingLoop:
         """Ends a run stopped by exception `e` (run_cli calls it), keeping what it can, by raising the TrainingStopped
         that says what was kept. Raised as they are: a TrainingStopped without `save_state` (the weights may not be
         finite, a write failed, a signal was handled) and, under torchrun, any other exception (it may be on one
-        rank only). Otherwise the weights are intact: if no optimizer step of the current iteration has run, its
-        starting state is checkpointed (by the usual signal stop if a signal cut a blocking call short), else the
-        line names the newest checkpoint."""
+        rank only). Otherwise the weights are intact: before the run's first optimizer step they are those it
+        started from, so nothing is saved and the line says to rerun the command; else if no optimizer step of the
+        current iteration has run, its starting state is checkpointed (by the usual signal stop if a signal cut a
+        blocking call short), else the line names the newest checkpoint."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
         if not intact or self.preflight:  # a preflight never leaves a checkpoint
             raise e
         what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
         if not isinstance(e, TrainingStopped):
             traceback.print_exception(e)
+        if not self.dirty and self.it == self.run.start:  # the state it started from: nothing new to save
+            signum = signalled(self.rt.device)
+            start = self.run.checkpoint.name if self.run.checkpoint else "the untrained weights"
+            raise TrainingStopped(f"{what}; no optimizer step had run since the start from {start}, so nothing was "
+                                  f"saved: rerun the same command to {'continue' if self.run.checkpoint else 'start'}",
+                                  128 + signum if signum else getattr(e, "exit_code", 1))
         if not self.dirty:
             self.stop_if_signalled(self.it)
             saved = self.save(self.it)
@@ -1507,7 +1534,7 @@ class TrainingLoop:
         newest = newest_checkpoint(self.run.dir)
         raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
                               (f"the newest checkpoint is {newest.name}, continue with --resume {self.run.dir}"
-                               if newest else "there is no checkpoint yet"))
+                               if newest else "there is no checkpoint yet: start over in a new --output-dir"))
 
     def evaluate(self, it: int) -> dict:
         """The held-out evaluation (of the EMA weights, if kept) and its image grid eval_NNNNNN.png, a row per
@@ -1762,7 +1789,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
                 break
     writable_folder(run_dir, "--output-dir")
     lock = _hold_folder(run_dir)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir():  # the folder holds a run
+    if holds_run(run_dir):
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
@@ -1778,6 +1805,14 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     return Run(run_dir, meta, dataclasses.asdict(args), checkpoint, start)
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir holds a run: checkpoints/, or a metrics.jsonl line besides the markers of starts that stopped
+    before their first iteration ended (a folder holding only .lock, args.json, ... starts afresh)."""
+    metrics = run_dir / "metrics.jsonl"
+    return (run_dir / "checkpoints").is_dir() or metrics.is_file() and any(
+        line.strip() and not line.startswith('{"resumed"') for line in metrics.read_text(errors="replace").splitlines())
 
 
 def writable_folder(folder: Path, flag: str):
@@ -1854,7 +1889,8 @@ def checkpoint_info(checkpoint: Path) -> dict:
     try:
         info = json.loads((checkpoint / "checkpoint.json").read_text())
         if all(type(info[k]) in (t if isinstance(t, tuple) else (t,)) for k, t in CHECKPOINT_KEYS.items()) and \
-                info["model"] in MODELS and info["iteration"] >= 0 and math.isfinite(info["elapsed"]):
+                info["model"] in MODELS and info["iteration"] >= 0 and info["world_size"] >= 1 and \
+                info["lora_rank"] >= 0 and 0 <= info["elapsed"] < math.inf:
             return info
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         pass
@@ -1886,9 +1922,12 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
     import torch.distributed.checkpoint as dcp
     try:
         saved = dcp.FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata
-        parts = ["params"] + ["optimizer"] * info["optimizer_stepped"] + ["ema"] * info["ema"]
-        if missing := [p for p in parts if not any(k.startswith(p + ".") for k in saved)]:
-            raise KeyError(f"no {missing[0]} in it")
+        n, groups = sum(k.startswith("params.") for k in saved), {k.rsplit(".", 1)[0] for k in saved}
+        need = [f"params.{i}" for i in range(n or 1)] + [f"ema.{i}" for i in range(n) if info["ema"]]
+        if info["optimizer_stepped"]:  # AdamW's per-tensor state and its parameter group
+            need += ["optimizer.param_groups.0"] + [f"optimizer.state.{i}" for i in range(n)]
+        if missing := next((k for k in need if k not in saved and k not in groups), None):
+            raise KeyError(f"no {missing} in it")
     except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file raises many kinds
         raise UsageError(f"checkpoint {checkpoint}: its training state state/ is unreadable ({one_line(e)}); it is "
                          f"corrupt or incomplete: resume from an earlier checkpoints/iter_* folder in a new "
@@ -1906,6 +1945,7 @@ def one_line(e: BaseException) -> str:
     failure, the first rank's)."""
     e = next(iter(getattr(e, "failures", {}).values()), e)   # CheckpointException: {rank: WrappedException}
     e = getattr(e, "exc", e)
+    e = e[0] if isinstance(e, tuple) else e                   # (exception, its frames)
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
@@ -1948,7 +1988,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str):
-    """Writes a checkpoint into the new `folder` (made with the process's umask); every rank calls it:
+    """Writes a checkpoint into the new `folder`, its files and folders with the process's umask; every rank calls it:
       - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
         fine-tuning: the EMA weights when there is an EMA;
       - state/: the training state (training_state: exact weights, AdamW state, EMA) in torch.distributed.checkpoint's
@@ -1979,6 +2019,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                 elif rt.is_main:
                     adapter.transformer.save_pretrained(folder / "transformer")
             if rt.is_main:
+                for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
+                    path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped}
                 (folder / "checkpoint.json").write_text(json.dumps(info, indent=2))
         except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
@@ -2141,8 +2183,9 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the ODE sampler, split over the ranks. Image i has prompt i mod len(records) and
-    noise seeded by (seed, i): the same result for any number of ranks or batch size. Returns (metrics, rows):
+    """Held-out evaluation with the ODE sampler, split over the ranks (rank 0 shows a progress bar). Image i has
+    prompt i mod len(records) and noise seeded by (seed, i): the same result for any number of ranks or batch size.
+    Returns (metrics, rows):
       metrics  eval_reward (the weighted sum's mean) and eval_<name> per scorer, each with its standard error
                (eval_..._se: sample std / sqrt(n)), and eval_accuracy with `accuracy_fn`;
       rows     [(prompt, images (n, 3, H, W))] on every rank: the first grid[0] prompts, up to grid[1] images each."""
@@ -2152,22 +2195,25 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     P, (max_rows, max_cols) = len(records), grid
     shown = {i for i in range(min(num_images, P * max_cols)) if i % P < max_rows}
     scores, kept = {}, {}  # image index -> [weighted sum, *scorers, accuracy]; image index -> uint8 image for the grid
-    for i in range(0, -(-num_images // runtime.world_size), batch_size):  # as many batches on every rank (FSDP)
-        chunk = mine[i: i + batch_size]
-        if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
-            prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
-            x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
-            reward_fn(adapter.decode(x), prompt, records[:1])
-            continue
-        recs = [records[j % P] for j in chunk]
-        prompts = [r["prompt"] for r in recs]
-        x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
-        imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
-        total, parts = reward_fn(imgs, prompts, recs)
-        accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
-        columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
-        scores.update(zip(chunk, columns.double().cpu().tolist()))
-        kept.update({j: im for j, im in zip(chunk, _to_uint8(imgs)) if j in shown})
+    batches = range(0, -(-num_images // runtime.world_size), batch_size)  # as many batches on every rank (FSDP)
+    from tqdm import tqdm
+    with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
+        for i in bar:
+            chunk = mine[i: i + batch_size]
+            if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
+                prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
+                x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
+                reward_fn(adapter.decode(x), prompt, records[:1])
+                continue
+            recs = [records[j % P] for j in chunk]
+            prompts = [r["prompt"] for r in recs]
+            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
+            imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
+            total, parts = reward_fn(imgs, prompts, recs)
+            accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
+            columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
+            scores.update(zip(chunk, columns.double().cpu().tolist()))
+            kept.update({j: im for j, im in zip(chunk, _to_uint8(imgs)) if j in shown})
     if dist.is_initialized():
         gathered = [None] * runtime.world_size
         dist.all_gather_object(gathered, (scores, kept))
@@ -2187,6 +2233,14 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
 EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40)}  # -> (reward, ODE steps)
+# Its settings: flag -> (the run's args.json key, type, at least, at most), bounded as the trainers bound theirs.
+EVAL_SETTINGS = {"images": ("eval_images", int, 1, 100_000), "steps": ("eval_steps", int, 1, 1000),
+                 "seed": ("seed", int, 0, 2**63 - 1), "resolution": ("resolution", int, 16, 4096),
+                 "guidance_scale": ("guidance_scale", (int, float), 0, None),
+                 "max_sequence_length": ("max_sequence_length", int, 1, 512), "threads": (None, int, 1, 1024),
+                 "batch_size": (None, int, 1, None), "model_path": ("model_path", str, None, None),
+                 "reward": ("reward", str, None, None), "prompts": ("prompts", str, None, None),
+                 "dtype": ("dtype", str, None, None)}
 
 
 def evaluate_main(argv=None) -> dict:
@@ -2212,20 +2266,17 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs only)")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
-    a = ap.parse_args(argv)
     try:
-        return _evaluate_main(a)
-    except UsageError as e:
-        print0(f"common.py evaluate: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print0(f"common.py evaluate: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        with one_line_errors(ap.prog):
+            return _evaluate_main(ap.parse_args(argv))
     finally:
         cleanup_runtime()
 
 
 def _evaluate_main(a) -> dict:
+    for flag, (_, _, low, high) in EVAL_SETTINGS.items():
+        if low is not None:
+            check_flag(flag, getattr(a, flag), low, high)
     if len(a.checkpoint) > 2:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
@@ -2234,9 +2285,7 @@ def _evaluate_main(a) -> dict:
             entries.append(("base", None, {}, {}))
             continue
         checkpoint = find_checkpoint(spec, "--checkpoint")
-        args_file = checkpoint.parent.parent / "args.json"
-        entries.append((spec, checkpoint, checkpoint_info(checkpoint),
-                        json.loads(args_file.read_text()) if args_file.is_file() else {}))
+        entries.append((spec, checkpoint, checkpoint_info(checkpoint), run_settings(checkpoint.parent.parent)))
     folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
     if len(folders) == 2 and folders[0] == folders[1]:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
@@ -2256,9 +2305,6 @@ def _evaluate_main(a) -> dict:
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
     seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
-    at_least(1, images=images, steps=steps, batch_size=a.batch_size, resolution=a.resolution,
-             max_sequence_length=a.max_sequence_length, threads=a.threads)
-    at_least(0, guidance_scale=a.guidance_scale, seed=a.seed)
     check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
@@ -2307,6 +2353,28 @@ def _evaluate_main(a) -> dict:
         save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
         print(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
     return results
+
+
+def run_settings(run_dir: Path) -> dict:
+    """A run's args.json ({} if it has none) as `common.py evaluate` takes its settings: a JSON object whose settings
+    of EVAL_SETTINGS have their types and bounds, else one line naming the file."""
+    path = run_dir / "args.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        for key, kind, low, high in EVAL_SETTINGS.values():
+            value = config.get(key)
+            if key and value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise ValueError(f"{key} {value!r} is not {({int: 'an integer', str: 'text'}).get(kind, 'a number')}")
+            if key and low is not None:
+                check_flag(key, value, low, high)
+    except (OSError, ValueError, RecursionError) as e:  # a UsageError of check_flag too
+        raise UsageError(f"{path} does not hold a run's settings ({e}): repair it, or move it aside and pass the run's "
+                         f"settings as flags (--model-path, --reward, --prompts, --steps, ...)") from None
+    return config
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):

@@ -1,6 +1,8 @@
 """`python common.py evaluate` scores a checkpoint exactly as the trainer's own evaluation did (same prompts, seeds
 and weights: the EMA weights when the run kept an EMA), the base model as the iteration-0 evaluation did, under
 torchrun as in one process; and it writes a labelled grid with the two models side by side."""
+import dataclasses
+import importlib
 import json
 import math
 import shutil
@@ -10,7 +12,7 @@ from PIL import Image
 
 import common
 import flow_grpo
-from helpers import SMALL, read_metrics, run, small, tiny_argv, tiny_pipeline, torchrun
+from helpers import SMALL, TRAINERS, read_metrics, run, small, tiny_argv, tiny_pipeline, torchrun
 
 # the toy reward is a multiple of 1/(2n): a continuous second reward tells base and trained weights apart
 TOY = ["--reward", "toy,jpeg:0.01", "--iterations", "2", "--lr", "3e-3", *small(without=("eval_images", "eval_every")),
@@ -114,8 +116,16 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
         (["--model", "sd3", "--checkpoint", "base", "--checkpoint", "base"], "are the same model"),
         (["--model", "flux", "--reward", "toy"], "scores the toy world's shapes, not flux images"),
         (["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
-        (["--checkpoint", str(toy_run), "--guidance-scale", "nan"], "--guidance-scale nan must be at least 0"),
+        (["--checkpoint", str(toy_run), "--guidance-scale", "nan"], "--guidance-scale nan must be at least 0 (it is "
+                                                                      "not a number)"),
         (["--checkpoint", str(toy_run), "--seed", "-1"], "--seed -1 must be at least 0"),
+        (["--checkpoint", str(toy_run), "--steps", "100000000"], "--steps 100000000 must be at least 1 and at most "
+                                                                   "1000"),
+        (["--checkpoint", str(toy_run), "--images", "1000000"], "--images 1000000 must be at least 1 and at most "
+                                                                "100000"),
+        (["--checkpoint", str(toy_run), "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+        (["--checkpoint", str(toy_run), "--threads", "5000"], "--threads 5000 must be at least 1 and at most 1024"),
+        (["--checkpoint", str(toy_run), "--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (["--checkpoint", damaged(toy_run, tmp_path, "corrupt", "checkpoint.json")], "no readable checkpoint.json"),
         (["--checkpoint", damaged(toy_run, tmp_path, "unknown", "checkpoint.json", b'{"model": "sdxl", '
                                   b'"iteration": 2}')], "must name one of the models toy, flux, sd3"),
@@ -125,6 +135,46 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
     assert (tmp_path / "full" / "x").read_text() == "kept" and (tmp_path / "a_file").read_text() == "kept"
+
+
+def test_evaluates_settings_have_the_trainers_bounds():
+    for trainer in TRAINERS:
+        fields = {f.name: f.metadata for f in dataclasses.fields(importlib.import_module(trainer).Args)}
+        for flag, (key, _, low, high) in common.EVAL_SETTINGS.items():
+            if (key or flag) in fields:
+                assert (fields[key or flag].get("at_least"), fields[key or flag].get("at_most")) == (low, high), flag
+
+
+@pytest.mark.parametrize("data,why", [
+    (b'{"model": "toy", "eval_steps": 4', "Expecting ',' delimiter"),
+    (b"", "Expecting value"),
+    (b"[1, 2, 3]", "a JSON list, not an object"),
+    (b'{"eval_steps": 1e9}', "eval_steps 1000000000.0 is not an integer"),
+    (b'{"eval_steps": 100000000}', "--eval-steps 100000000 must be at least 1 and at most 1000"),
+    (b'{"eval_images": -3}', "--eval-images -3 must be at least 1"),
+    (b'{"seed": 1e400}', "seed inf is not an integer"),
+    (b'{"reward": 5}', "reward 5 is not text"),
+])
+def test_a_damaged_args_json_is_one_line_and_nothing_is_written(data, why, toy_run, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(toy_run, run_dir)
+    (run_dir / "args.json").write_bytes(data)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        common.evaluate_main(["--checkpoint", str(run_dir), "--output", str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{run_dir / 'args.json'} does not hold a run's settings ({why}" in err and "repair it" in err, err
+    assert before == {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert not (tmp_path / "eval").exists()
+
+
+def test_rank_0_shows_the_evaluations_progress(toy_run, tmp_path, capsys):
+    common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "e"), "--threads", "1",
+                          "--batch-size", "4"])
+    err = capsys.readouterr().err
+    assert "evaluate:" in err and " 0/3 [" in err, err                 # 12 images in batches of 4
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ import math
 import os
 import re
 import signal
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -301,6 +303,93 @@ def test_trainable_tensors_that_do_not_fit_are_refused_in_one_line(tmp_path):
         common.load_checkpoint(a / "checkpoints" / "iter_000001", saved[:1], None, None)
 
 
+def test_a_refused_resume_leaves_the_folder_as_it_was(tmp_path, capsys, monkeypatch):
+    """A resume past --iterations is refused in one line before anything is written (args.json, a resume marker);
+    a bad flag leaves no run folder, not even a default one."""
+    r = tmp_path / "r"
+    run(flow_grpo, [*TOY, "--iterations", "3", "--eval-every", "0", "--output-dir", str(r)])
+    before = snapshot(r)
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "1", "--resume", str(r)])
+    assert f"--resume {r} is at iteration 3, past --iterations 1: raise --iterations" in err
+    assert snapshot(r) == before
+    monkeypatch.chdir(tmp_path)
+    for flags, _ in BAD_FLAGS:
+        one_error_line(capsys, flow_grpo, [*TOY, *flags])
+    assert sorted(os.listdir(tmp_path)) == ["r"]
+
+
+@pytest.fixture(scope="module")
+def run_at_3(tmp_path_factory):
+    r = tmp_path_factory.mktemp("at3") / "r"
+    run(flow_grpo, [*TOY, "--iterations", "3", "--eval-every", "0", "--output-dir", str(r)])
+    return r
+
+
+def rewrite_state(keep):
+    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state)."""
+    def damage(checkpoint):
+        import torch.distributed.checkpoint as dcp
+        from helpers import training_state
+        state = keep(training_state(checkpoint))
+        shutil.rmtree(checkpoint / "state")
+        dcp.save(state, checkpoint_id=checkpoint / "state")
+    return damage
+
+
+def write(name, data):
+    return lambda checkpoint: (checkpoint / name).write_bytes(data(checkpoint / name) if callable(data) else data)
+
+
+STATE = "its training state state/ is unreadable"
+DAMAGES = {
+    "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + " (KeyError: 'no params.0 in it')"),
+    "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + " (KeyError: 'no params.0 in it')"),
+    "no parameter groups": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups": []}}),
+                            STATE + " (KeyError: 'no optimizer.param_groups.0 in it')"),
+    "no optimizer state": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {}}}),
+                           STATE + " (KeyError: 'no optimizer.state.0 in it')"),
+    "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
+        **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
+        "its training state state/ does not load into this run (ValueError: Size mismatch"),
+    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE + " (UnpicklingError"),
+    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE + " (UnpicklingError"),
+    **{f"checkpoint.json {what}": (write("checkpoint.json", data), "has no readable checkpoint.json")
+       for what, data in [("an array", b"[1, 2, 3]"), ("empty", b""),
+                          *((f"with {key} {value}", lambda p, k=key, v=value: json.dumps(
+                              {**json.loads(p.read_text()), k: v}).encode())
+                            for key, value in [("iteration", -5), ("world_size", 0), ("elapsed", -1.0),
+                                               ("lora_rank", -4), ("iteration", "3")])]},
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(damage, run_at_3, tmp_path, capsys):
+    r = tmp_path / "r"
+    shutil.copytree(run_at_3, r)
+    ckpt = r / "checkpoints" / "iter_000003"
+    harm, message = DAMAGES[damage]
+    harm(ckpt)
+    before = snapshot(r)
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", "--resume", str(r)])
+    assert f"{ckpt}" in err and message in err and ("earlier checkpoints/iter_*" in err or "pass another" in err), err
+    assert snapshot(r) == before and sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
+
+
+def test_checkpoints_are_written_with_the_process_umask(tmp_path):
+    """Readable by the group and others as any other file the run writes (safetensors makes its files 0600)."""
+    for umask, folders, files, lora in [(0o022, 0o755, 0o644, []), (0o027, 0o750, 0o640, ["--lora-rank", "4"])]:
+        old = os.umask(umask)
+        try:
+            run(flow_grpo, [*TOY, "--iterations", "1", "--eval-every", "0", *lora, "--lora-alpha", "8",
+                            "--output-dir", str(tmp_path / str(umask))])
+        finally:
+            os.umask(old)
+        paths = list((tmp_path / str(umask) / "checkpoints").rglob("*"))
+        assert any(p.is_dir() for p in paths) and any(p.is_file() for p in paths)
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths} == \
+            {p.name: folders if p.is_dir() else files for p in paths}
+
+
 # ---- signals ----
 def wait_for_lines(run_dir, n, proc, timeout=120):
     deadline = time.time() + timeout
@@ -369,9 +458,9 @@ def wait_for(condition, proc, timeout=120):
         time.sleep(0.1)
 
 
-def test_sigterm_during_a_reward_call_that_never_returns_checkpoints_and_stops(tmp_path):
+def test_sigterm_during_a_reward_call_that_never_returns_stops_in_one_line(tmp_path):
     """The reward server takes requests and never answers (a 600 s deadline): SIGTERM cuts the call short and the
-    run stops as at any safe point, no traceback; in iteration 0 of a fresh run there is nothing to save."""
+    run stops as at any safe point, no traceback; in iteration 0 there is nothing new to save."""
     from test_rewards import fake_server
     hang = threading.Event()
     server = fake_server(lambda body: hang.wait(60) and {})
@@ -387,8 +476,10 @@ def test_sigterm_during_a_reward_call_that_never_returns_checkpoints_and_stops(t
         hang.set()
     text = open(err.name).read()
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in text, text
-    assert text.strip().splitlines()[-1] == "script.py: stopped by SIGTERM before the first update; nothing to " \
-                                            "save: run the same command to start again"
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("script.py: the reward failed ") and "SIGTERM" in last and last.endswith(
+        "no optimizer step had run since the start from the untrained weights, so nothing was saved: rerun the same "
+        "command to start"), text
     assert not (r / "checkpoints").exists()
 
 
@@ -439,15 +530,52 @@ def test_an_error_after_an_optimizer_step_saves_nothing_and_names_the_newest_che
 
 
 def test_an_error_before_the_update_checkpoints_the_iterations_starting_state(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(flow_grpo, "group_advantages", lambda *a: (_ for _ in ()).throw(MemoryError("out of RAM")))
+    real = flow_grpo.group_advantages
+    calls = []
+
+    def fail_in_iteration_1(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of RAM")
+        return real(*a)
+    monkeypatch.setattr(flow_grpo, "group_advantages", fail_in_iteration_1)
     r = tmp_path / "r"
     with pytest.raises(SystemExit) as stop:
         common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
                        [*TOY, "--iterations", "3", "--eval-every", "0", "--output-dir", str(r)])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.strip().splitlines()[-1].endswith(
-        f": MemoryError: out of RAM; checkpoint iter_000000 saved: continue with --resume {r}"), err
-    assert (r / "checkpoints" / "latest").read_text() == "iter_000000"
+        f": MemoryError: out of RAM; checkpoint iter_000001 saved: continue with --resume {r}"), err
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+class BrokenReward(common.ToyReward):
+    def __call__(self, images, prompts, metadata=None):
+        raise MemoryError("out of RAM")
+
+
+def test_an_error_before_the_first_optimizer_step_saves_nothing_and_the_same_command_goes_on(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """Before its first optimizer step a run holds the weights it started from (untrained, or the checkpoint it
+    resumed): nothing is written (a full fine-tune's checkpoint is tens of GB) and the same command, rerun, starts
+    over or continues, however many times it failed."""
+    r = tmp_path / "r"
+    fresh = [*TOY, "--iterations", "2", "--eval-every", "0", "--output-dir", str(r)]
+    resume = [*TOY, "--iterations", "3", "--eval-every", "0", "--resume", str(r)]
+    for argv, start in [(fresh, "the untrained weights"), (resume, "iter_000002")]:
+        for _ in range(2):
+            with monkeypatch.context() as m, pytest.raises(SystemExit) as stop:
+                m.setitem(common.REWARDS, "toy", BrokenReward)
+                common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, argv)
+            last = capsys.readouterr().err.strip().splitlines()[-1]
+            assert stop.value.code == 1 and last.endswith(
+                f": the reward failed MemoryError: out of RAM; no optimizer step had run since the start from "
+                f"{start}, so nothing was saved: rerun the same command to {'start' if argv is fresh else 'continue'}")
+            assert sorted(p.name for p in r.glob("checkpoints/*")) == ([] if argv is fresh else
+                                                                      ["iter_000002", "latest"])
+        run(flow_grpo, argv)
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    assert sorted(p.name for p in r.glob("checkpoints/*")) == ["iter_000002", "iter_000003", "latest"]
 
 
 # ---- one writer per run folder ----
@@ -479,6 +607,22 @@ def test_a_folder_held_by_a_live_run_is_refused_naming_it_and_is_free_once_it_di
     wait_for(lambda: "holding" in open(err.name).read(), holder)
     holder.kill()
     holder.wait()
+
+
+@pytest.mark.parametrize("lock", ["a link", "a folder"])
+def test_a_lock_that_is_not_a_file_is_refused_in_one_line_and_followed_nowhere(lock, tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "victim.txt").write_text("kept")
+    if lock == "a link":
+        (d / ".lock").symlink_to("victim.txt")
+    else:
+        (d / ".lock").mkdir()
+    before = snapshot(d)
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--output-dir", str(d)])
+    assert f"{d / '.lock'} is not the run's lock file" in err and "remove it, or pass another --output-dir" in err
+    assert snapshot(d) == before and sorted(os.listdir(d)) == [".lock", "victim.txt"]
+    assert (d / ".lock").is_symlink() == (lock == "a link")
 
 
 # ---- a checkpoint resumed on another number of ranks ----
@@ -523,7 +667,9 @@ BAD_FLAGS = [
     (["--eval-images", "0"], "--eval-images 0 must be at least 1"),
     (["--sample-steps", "0"], "--sample-steps 0 must be at least 1"),
     (["--iterations", "-1"], "--iterations -1 must be at least 0"),
-    (["--lr", "nan"], "--lr nan must be at least"),
+    (["--lr", "nan"], "--lr nan must be at least 1e-12 and at most 1 (it is not a number)"),
+    (["--grad-clip", "1e39"], "--grad-clip 1e+39 must be at least 1e-12 and at most 3.4e+38, float32's largest"),
+    (["--weight-decay=-1e39"], "--weight-decay -1e+39 must be at least 0"),
     (["--max-bad-steps", "0"], "--max-bad-steps 0 must be at least 1"),
     (["--reward", "aesthetics"], "unknown or repeated reward 'aesthetics'"),
     (["--reward", "toy:nan"], "bad weight 'nan' for reward 'toy'"),
@@ -568,8 +714,8 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
     (tmp_path / "a_file").write_text("x")
     err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
                                           str(tmp_path / "a_file" / "run")])
-    folder = tmp_path / "a_file" / "run"
-    assert f"cannot write to --output-dir {folder} (Not a directory): pass a writable folder" in err
+    assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable " \
+           f"folder" in err
 
 
 def test_the_real_entry_point_prints_one_line(tmp_path):
@@ -579,6 +725,22 @@ def test_the_real_entry_point_prints_one_line(tmp_path):
     errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert errors == ["g2rpo.py: error: --micro-batch 0 must be at least 1"], out.stderr
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("flow_grpo.py", [*TOY, "--micro-batch", "0"], "flow_grpo.py: error: --micro-batch 0 must be at least 1"),
+    ("flow_grpo.py", [*TOY, "--micro-batch", "x"], "flow_grpo.py: error: argument --micro-batch: invalid int value"),
+    ("common.py", ["evaluate", "--model", "toy", "--steps", "0"],
+     "common.py evaluate: error: --steps 0 must be at least 1"),
+])
+def test_under_torchrun_the_workers_line_is_the_root_cause(script, argv, message, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(torchrun_cmd(script, [*argv, "--output-dir" if script != "common.py" else "--output",
+                                               tmp_path / "r"]),
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    cause = out.stderr.split("Root Cause")[-1]
+    assert out.returncode != 0 and f"traceback : {message}" in cause and "<N/A>" not in cause, out.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
 
 
 def test_validation_never_uses_assert():

@@ -71,7 +71,8 @@ def test_a_signal_before_the_first_update_of_a_fresh_run_saves_nothing(tmp_path,
     with pytest.raises(SystemExit) as stop:
         common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, argv)
     assert stop.value.code == 128 + signal.SIGTERM and not (tmp_path / "r" / "checkpoints").exists()
-    assert "nothing to save: run the same command to start again" in capsys.readouterr().err
+    assert "stopped by SIGTERM before the first optimizer step since the start from the untrained weights, so " \
+           "nothing was saved: rerun the same command to start" in capsys.readouterr().err
     monkeypatch.undo()
     run(flow_grpo, argv)                                    # the same command
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]
