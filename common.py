@@ -1098,9 +1098,30 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def cleanup_runtime():
-    if dist.is_initialized():
-        dist.destroy_process_group()
+@contextlib.contextmanager
+def ends_process():
+    """Around an entry point: a torchrun worker (a process group is up) ends its process here, with the exit status
+    the block ends with, neither destroying the group nor running the interpreter's exit. A gloo worker thread drops
+    its last reference to a finished collective's tensors after the caller has moved on; a tensor of Python's then
+    needs the GIL, which the group's destructor holds while it waits for that thread (a deadlock), and which is gone
+    once the interpreter has exited (an abort: "terminate called without an active exception"). Everything a run
+    writes is closed by then. One process (no group) returns or raises as usual."""
+    code = 0
+    try:
+        yield
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
+    except BaseException:
+        code = 1
+        if dist.is_initialized():
+            traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 class UsageError(ValueError):
@@ -1143,20 +1164,20 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
     failed reward, or by an error of a single process, is first checkpointed by its TrainingLoop (`after_failure`)."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
-    try:
-        with one_line_errors(Path(sys.argv[0]).name):
-            try:
-                main(cli(args_cls, argv, model_defaults))
-            except Exception as e:
-                if TrainingLoop.active is None or isinstance(e, UsageError):
-                    raise
-                TrainingLoop.active.after_failure(e)
-    finally:
-        TrainingLoop.active, _SIGNALLED["signum"] = None, 0
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        _release_folder()
-        cleanup_runtime()
+    with ends_process():
+        try:
+            with one_line_errors(Path(sys.argv[0]).name):
+                try:
+                    main(cli(args_cls, argv, model_defaults))
+                except Exception as e:
+                    if TrainingLoop.active is None or isinstance(e, UsageError):
+                        raise
+                    TrainingLoop.active.after_failure(e)
+        finally:
+            TrainingLoop.active, _SIGNALLED["signum"] = None, 0
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            _release_folder()
 
 
 @contextlib.contextmanager
@@ -1586,7 +1607,8 @@ class TrainingLoop:
         """The final checkpoint; returns the last metrics line."""
         self.save(self.it)
         _release_folder()
-        cleanup_runtime()
+        if self.logger.wandb is not None:
+            self.logger.wandb.finish()
         return self.metrics
 
 
@@ -2266,11 +2288,8 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs only)")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
-    try:
-        with one_line_errors(ap.prog):
-            return _evaluate_main(ap.parse_args(argv))
-    finally:
-        cleanup_runtime()
+    with ends_process(), one_line_errors(ap.prog):
+        return _evaluate_main(ap.parse_args(argv))
 
 
 def _evaluate_main(a) -> dict:

@@ -88,7 +88,8 @@ def test_a_training_state_saved_in_one_layout_loads_in_another(tmp_path):
     optimizer step loads as one: AdamW without state."""
     script = tmp_path / "reshard.py"
     script.write_text(f"import sys\nfrom pathlib import Path\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
-                      "import test_fsdp\ntest_fsdp.reshard(sys.argv[1], Path(sys.argv[2]))\n")
+                      "import common, test_fsdp\nwith common.ends_process():\n"
+                      "    test_fsdp.reshard(sys.argv[1], Path(sys.argv[2]))\n")
     torchrun(str(script), ["save", str(tmp_path)])
     torchrun(str(script), ["load", str(tmp_path)], nproc=3)
     assert (tmp_path / "loaded").read_text() == "3 ranks: fsdp from fsdp, fsdp from ddp"
@@ -156,7 +157,6 @@ def reshard(mode: str, folder):
         done.append(f"{layout} from {saved_as}")
     if rt.is_main and done:
         (folder / "loaded").write_text(f"{rt.world_size} ranks: {', '.join(done)}")
-    common.cleanup_runtime()
 
 
 def test_fsdp_refuses_lora_and_a_single_process(tmp_path):
