@@ -1536,6 +1536,8 @@ class TrainingLoop:
         current iteration has run, its starting state is checkpointed (by the usual signal stop if a signal cut a
         blocking call short), else the line names the newest checkpoint."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
+        if self.preflight and intact and isinstance(e, TrainingStopped):  # a scorer failed: the table, with its row
+            self.preflight.failed(e)
         if not intact or self.preflight:  # a preflight never leaves a checkpoint
             raise e
         what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"

@@ -163,6 +163,23 @@ def test_a_failing_scorer_writes_the_table_with_its_row(monkeypatch, tmp_path):
     assert rows(report)["weights identical on all ranks"]["status"] == "PASS"   # the rows before it
 
 
+class BrokenInTheRollout(Blind):
+    def __call__(self, images, prompts, metadata=None):
+        if hasattr(common.Preflight.active, "unreachable"):        # the measured iteration has begun
+            raise RuntimeError("the scorer's server answered NaN")
+        return images.mean((1, 2, 3))
+
+
+def test_a_scorer_failing_in_the_measured_iteration_writes_the_table_too(monkeypatch, tmp_path):
+    monkeypatch.setitem(common.REWARDS, "broken", BrokenInTheRollout)
+    with pytest.raises(SystemExit) as stop:                       # run_cli: the failure reaches TrainingLoop
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--reward", "broken", "--output-dir", str(tmp_path / "run"), "--preflight"])
+    report = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    assert stop.value.code == 1 and failed(report) == {"rewards scored", "broken: right vs shifted prompts"}
+    assert "NaN" in rows(report)["rewards scored"]["value"] and "images finite" in rows(report)
+
+
 def test_a_checkpoint_slower_than_the_launchers_grace_warns_with_the_flag_to_pass(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "0.001")
