@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers import TRAINERS  # noqa: E402
 
-QUICK = ["--model", "toy", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "2",
+QUICK = ["--model", "toy", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
          "--eval-images", "4", "--eval-steps", "2", "--eval-every", "0", "--threads", "1", "--iterations", "1"]
-FITS = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,1", "--micro-batch", "2"]}
+FITS = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
 NUMBERS = ["0", "-1", "1", "2", "3", "1e-13", "1e39", "-1e39", "nan", "inf", "-inf", "1e9", "0.5", "x", "", "3,2",
            "100000000", "1.5"]
 FLAGS = ["--prompts-per-step", "--group-size", "--micro-batch", "--sample-steps", "--eval-images", "--eval-steps",
@@ -69,7 +69,7 @@ def fixtures(tmp: Path, python: str) -> dict:
 
 def case(rng: random.Random, trainer: str, fx: dict, tmp: Path, i: int) -> list[str]:
     argv = [*QUICK, *FITS.get(trainer, []), "--output-dir", str(tmp / f"out{i}")]
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(0, 2)):
         kind = rng.random()
         if kind < 0.5:
             flag = rng.choice(FLAGS)
