@@ -1,8 +1,8 @@
 """Fuzzes the trainers' start-up: random flags (numbers at and past their bounds, NaN, inf, words), prompt files
 (empty, not UTF-8, malformed JSON lines), --resume targets (missing, a file, a damaged checkpoint, another trainer's
 run) and --model-path values (missing, a file, an empty folder, a corrupt pipeline), each start-up in a fresh
-process with a time limit. Every case must end in a clean refusal (exit 2, one `error:` line, no traceback) or run
-(exit 0); a traceback or a hang is reported.
+process with a time limit. Every case must end in a clean refusal (exit 2, one `error:` line, no traceback), run
+(exit 0) or stop in one line once it has begun (an unreachable remote scorer); a traceback or a hang is reported.
 
     python tests/fuzz_startup.py --cases 200 --seed 0          # a table of outcomes per trainer, exit 1 on any bad
 """
@@ -106,12 +106,15 @@ def main():
                 outcome = "ran"
             elif out.returncode == 2 and len(errors) == 1:
                 outcome = "refused"
+            elif out.stderr.strip().splitlines()[-1:] and out.stderr.strip().splitlines()[-1].startswith(
+                    f"{trainer}.py: "):
+                outcome = "stopped"                          # a run that began and stopped in one line
             else:
                 outcome = f"exit {out.returncode}"
         except subprocess.TimeoutExpired:
             outcome, out = "hung", None
         counts[trainer, outcome] += 1
-        if outcome not in ("ran", "refused"):
+        if outcome not in ("ran", "refused", "stopped"):
             bad.append((trainer, argv, outcome, out.stderr[-2000:] if out else ""))
         print(f"{i:4d} {trainer:10s} {outcome:10s} {' '.join(argv[len(QUICK):])}", flush=True)
     outcomes = sorted({o for _, o in counts})
