@@ -26,7 +26,8 @@ def test_quick_benchmark(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "benchmark.py"), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [ln for ln in proc.stderr.splitlines() if " failed (exit " in ln]     # which run, with its exit status
+    assert proc.returncode == 0, "\n".join([proc.stdout[-3000:], *failed, proc.stderr[-3000:]])
     data = json.loads((out / "benchmark.json").read_text())
     runs, settings = data["runs"], data["meta"]["settings"]
     assert set(data) == {"meta", "runs", "sweep", "chosen", "summary", "costs"}
