@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -204,11 +205,18 @@ def _run_in_child(method: str, argv: list[str], log: str, cwd: str):
     sys.argv = [str(ROOT / f"{method}.py"), *argv]
     module = importlib.import_module(method)
     import common
+    code = 1
     try:
         common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv)
-    finally:
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:  # the run's status, without the fork's exit handlers (a run that had finished once exited 1 there)
         sys.stdout.flush()
         sys.stderr.flush()
+        os._exit(code)
 
 
 def start_fork_server():
