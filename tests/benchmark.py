@@ -54,13 +54,14 @@ import functools
 import importlib
 import json
 import math
+import multiprocessing.connection
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -190,7 +191,12 @@ def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
 # Every run is a process of its own. Where the platform has it, the processes are forked from a server that has
 # imported torch, diffusers, transformers and the trainers once (about 6 s a run otherwise, as long as a quick run's
 # training); each run still starts from a clean process and runs the trainer's own entry point.
-FORK = {"context": None}
+# The runs are started and waited for from --jobs threads, but multiprocessing's Process is not thread-safe there:
+# every start() polls the other children, and a forkserver child's poll reads its exit status from a pipe, so two
+# threads polling one child both read, one gets the status and the other the end of the pipe, which it reports as
+# exit 255. One lock around every start and poll; a thread waits for its child's
+# end without reading.
+FORK = {"context": None, "lock": threading.Lock()}
 PRELOAD = ["torch", "numpy", "PIL.Image", "common", "diffusers.models.transformers.transformer_flux",
            "diffusers.pipelines.flux.pipeline_flux", "transformers.models.clip.modeling_clip"]
 
@@ -205,23 +211,15 @@ def _run_in_child(method: str, argv: list[str], log: str, cwd: str):
     sys.argv = [str(ROOT / f"{method}.py"), *argv]
     module = importlib.import_module(method)
     import common
-    code = 1
     try:
         common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:  # the run's status, without the fork's exit handlers (a run that had finished once exited 1 there)
+    finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
 
 
 def start_fork_server():
     """Runs every later run as a fork of a server that has imported the trainers (one CPU thread each, offline)."""
-    import multiprocessing
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                       PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     this_is_main = getattr(sys.modules["__main__"], "__file__", None) == __file__
@@ -239,9 +237,11 @@ def train(method: str, run_dir: Path, argv: list[str]) -> tuple[list[dict], floa
     tic = time.time()
     if FORK["context"] is not None:
         proc = FORK["context"].Process(target=_run_in_child, args=(method, argv, str(log), str(run_dir.parent)))
-        proc.start()
-        proc.join()
-        rc = proc.exitcode
+        with FORK["lock"]:
+            proc.start()
+        multiprocessing.connection.wait([proc.sentinel])
+        with FORK["lock"]:
+            rc = proc.exitcode
     else:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         with open(log, "w") as f:

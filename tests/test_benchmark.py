@@ -34,7 +34,8 @@ def test_quick_benchmark(tmp_path):
     assert {"command", "date", "wall_s", "machine", "torch", "estimate_s"} <= set(data["meta"])
     sweep = [r for r in runs if r["phase"] == "sweep"]
     final = [r for r in runs if r["phase"] == "final"]
-    assert not any("failed" in r for r in runs)
+    failed_runs = [f"{r['run_dir']}: {r['failed']}" for r in runs if "failed" in r]
+    assert not failed_runs, "\n".join(failed_runs)
 
     # the sweep: every configuration of every method on each tuning seed, the toy reward, lr x {1, 3}
     assert settings["tuning_seeds"] == [100, 101] and settings["rewards"] == ["toy", "toy-soft"]
