@@ -1042,7 +1042,6 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 class Runtime:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     dtype: torch.dtype  # the compute (autocast) dtype: --dtype bf16 / fp16 on GPU, float32 on CPU
 
@@ -1062,9 +1061,8 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") ->
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend, dtype = "nccl", DTYPES[dtype]
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1075,7 +1073,7 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") ->
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     seed_everything(seed + rank)
-    return Runtime(rank, world_size, local_rank, device, dtype)
+    return Runtime(rank, world_size, device, dtype)
 
 
 def seed_everything(seed: int):
@@ -1674,20 +1672,20 @@ class StepGuard:
 
 
 def instrument(adapter):
-    """Counts in `adapter.counts` the rows through the transformer ("fwd" without grad, i.e. sampling;
-    "fwd_grad" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
+    """Counts in `adapter.counts` the rows through the transformer ("nfe_fwd" without grad, i.e. sampling;
+    "nfe_fwd_bwd" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
     on the module, so a deepcopy of the transformer (the frozen reference) counts into the same place."""
     counts = adapter.counts = collections.Counter()
 
     def hook(module, args, kwargs, out):
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        counts["fwd_grad" if torch.is_grad_enabled() else "fwd"] += x.shape[0]
+        counts["nfe_fwd_bwd" if torch.is_grad_enabled() else "nfe_fwd"] += x.shape[0]
 
     adapter.transformer.register_forward_hook(hook, with_kwargs=True)
     decode = adapter.decode
 
     def counted_decode(x):
-        counts["decode"] += x.shape[0]
+        counts["decodes"] += x.shape[0]
         return decode(x)
 
     adapter.decode = counted_decode
@@ -1703,9 +1701,8 @@ def work_done(adapter, reward_fn, before: dict, guard) -> dict:
     """The work of one iteration, since `before` (a work_snapshot): transformer rows without grad (nfe_fwd) and
     with grad and a backward (nfe_fwd_bwd), VAE decodes, images scored, optimizer steps skipped."""
     now = work_snapshot(adapter, reward_fn, guard)
-    names = {"fwd": "nfe_fwd", "fwd_grad": "nfe_fwd_bwd", "decode": "decodes", "reward_calls": "reward_calls",
-             "skipped_steps": "skipped_steps"}
-    return {new: now.get(old, 0) - before.get(old, 0) for old, new in names.items()}
+    return {k: now.get(k, 0) - before.get(k, 0) for k in ("nfe_fwd", "nfe_fwd_bwd", "decodes", "reward_calls",
+                                                           "skipped_steps")}
 
 
 def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -2330,16 +2327,10 @@ def _evaluate_main(a) -> dict:
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
     out_dir = Path(a.output or Path("evals") / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
-    try:  # every rank checks, before any collective and any model loads
-        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
-                             f"folder (nothing is overwritten)")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"cannot write to --output {out_dir} ({e.strerror or e}): pass a writable folder") from None
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
+        raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
+                         f"folder (nothing is overwritten)")
+    writable_folder(out_dir, "--output")
     rt = setup_runtime(seed, a.threads, dtype)
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []

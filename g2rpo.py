@@ -350,7 +350,7 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             # [G2RPO, Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
             # deterministic ODE anchor from it; keep z_k and v_theta(z_k) for every k in M
-            fwd = adapter.counts["fwd"]
+            fwd = adapter.counts["nfe_fwd"]
             anchor, velocities, finals = [], [], []          # (B, n_sde, ...), (B, n_sde, ...), (B, ...)
             for rows in chunks:
                 loop.stop_if_signalled(it)                   # a signal drops the rollout
@@ -366,7 +366,7 @@ def main(args: Args) -> dict:
                 velocities.append(torch.stack(vs[:n_sde], 1))
                 finals.append(z)
             anchor, velocities, finals = torch.cat(anchor), torch.cat(velocities), torch.cat(finals)
-            nfe_anchor, fwd = adapter.counts["fwd"] - fwd, adapter.counts["fwd"]
+            nfe_anchor, fwd = adapter.counts["nfe_fwd"] - fwd, adapter.counts["nfe_fwd"]
 
             # [G2RPO, Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
             # anchor's v_theta(z_k) gives the step mean, so branching needs no evaluation (reading 4)
@@ -385,7 +385,7 @@ def main(args: Args) -> dict:
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
                 latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
-            nfe_continuation = adapter.counts["fwd"] - fwd
+            nfe_continuation = adapter.counts["nfe_fwd"] - fwd
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----

@@ -146,7 +146,7 @@ def test_sd3_passes_the_timestep_to_the_transformer_in_float32():
 
 
 def test_sd3_prompts_default_to_128_t5_tokens():
-    rt = common.Runtime(0, 1, 0, CPU, torch.float32)
+    rt = common.Runtime(0, 1, CPU, torch.float32)
     adapter = common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5)
     assert adapter.encode(["a cat"])["prompt_embeds"].shape[1] == 77 + 128   # CLIP's 77, then T5's 128
     adapter = common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5,
@@ -157,7 +157,7 @@ def test_sd3_prompts_default_to_128_t5_tokens():
 def test_fp16_computes_over_float32_transformer_weights():
     """--dtype fp16: text encoders in fp16, the trained transformer in float32 (autocast fp16 on GPU), the VAE in
     float32; from a pipeline built in float32 and from a saved one (from_pretrained reads each in its dtype)."""
-    rt = common.Runtime(0, 1, 0, CPU, torch.float16)
+    rt = common.Runtime(0, 1, CPU, torch.float16)
     built = common.SD3Adapter(common.build_pipeline("sd3", tiny_configs("sd3")), CPU, torch.float16, 32, 4.5)
     for adapter in (built, common.load_model("sd3", rt, tiny_pipeline("sd3"), resolution=32, guidance_scale=4.5)):
         pipe = adapter.pipe

@@ -5,7 +5,7 @@ import torch
 import common
 from helpers import tiny_configs, tiny_pipeline
 
-RT = common.Runtime(0, 1, 0, torch.device("cpu"), torch.float32)
+RT = common.Runtime(0, 1, torch.device("cpu"), torch.float32)
 PROMPTS = ["a photo of a cat", "a red car on a street"]
 
 
