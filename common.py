@@ -6,8 +6,7 @@ Part I, the vocabulary, is for reading beside a paper: what a trainer's method i
   2. Models: the adapters (toy, flux, sd3) behind one interface, LoRA, the reference policy, the EMA
   3. Rewards: the scorers, their weighted sum and its advantages
   4. Prompts
-Part II, the machinery, is what a fork uses without reading: the README states its promises and the tests hold
-them.
+Part II, the machinery, is what a fork uses without reading (the README states its promises, the tests hold them).
   5. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives
   6. The training loop and its guards: the loop around a trainer's method, the step guard, work counters, FSDP2
   7. Run folders and checkpoints
@@ -1083,8 +1082,8 @@ def seed_everything(seed: int):
 
 
 def make_generator(*keys: int) -> torch.Generator:
-    """A CPU generator seeded from integers (e.g. seed, rank, iteration): every random draw in a run is a
-    pure function of these keys, so a resumed run repeats the same draws without saving RNG states."""
+    """A CPU generator seeded from integers (seed, rank, iteration, ...): every draw is a pure function of these
+    keys, so a resumed run repeats the same draws without saving RNG states."""
     # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
     g = torch.Generator()
     g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
@@ -1098,12 +1097,11 @@ def print0(*args, **kwargs):
 
 @contextlib.contextmanager
 def ends_process():
-    """Around an entry point: a torchrun worker (a process group is up) ends its process here, with the exit status
-    the block ends with, neither destroying the group nor running the interpreter's exit. A gloo worker thread drops
-    its last reference to a finished collective's tensors after the caller has moved on; a tensor of Python's then
-    needs the GIL, which the group's destructor holds while it waits for that thread (a deadlock), and which is gone
-    once the interpreter has exited (an abort: "terminate called without an active exception"). Everything a run
-    writes is closed by then. One process (no group) returns or raises as usual."""
+    """Around an entry point: under torchrun (a process group is up) the process ends here with the block's exit
+    status, neither destroying the group nor running interpreter exit. Why: a gloo worker thread frees a finished
+    collective's tensors after the caller moves on, which needs the GIL; the group's destructor holds it while waiting
+    for that thread (a deadlock), and after interpreter exit it is gone (an abort: "terminate called without an
+    active exception"). Everything a run writes is closed by then. One process (no group) returns or raises as usual."""
     code = 0
     try:
         yield
@@ -1127,9 +1125,8 @@ class UsageError(ValueError):
 
 
 class TrainingStopped(RuntimeError):
-    """The run ended early on purpose (a signal, non-finite steps, a failed write, a failed reward), with a message
-    that says what was saved and how to go on; `exit_code` is the process's exit status. `save_state`: the weights
-    are intact, so run_cli checkpoints the iteration under way first if none of its optimizer steps has run."""
+    """The run ended early on purpose (a signal, non-finite steps, a failed write or reward), saying what was saved
+    and how to go on. `save_state`: weights intact, so the iteration under way is checkpointed if it has not stepped."""
 
     def __init__(self, message: str, exit_code: int = 1, save_state: bool = False):
         super().__init__(message)
@@ -1137,8 +1134,7 @@ class TrainingStopped(RuntimeError):
 
 
 def check_flag(name: str, value, at_least: float | None = None, at_most: float | None = None):
-    """Raises a UsageError naming --name unless `value` is a number within the bounds and within float32's range
-    (where the models compute); None (unset) passes."""
+    """A UsageError naming --name unless `value` is None (unset) or a number within the bounds and float32's range."""
     big = float(torch.finfo(torch.float32).max)
     lo, hi = max(-big, -big if at_least is None else at_least), min(big, big if at_most is None else at_most)
     if value is None or isinstance(value, (int, float)) and lo <= value <= hi:
@@ -1157,9 +1153,8 @@ def at_least(minimum: float, **flags):
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
-    """`python <trainer>.py ...`: parses the command line and runs main with SIGTERM / SIGINT turned into a
-    request to checkpoint and stop (`signalled`), its errors as one line (`one_line_errors`). A run stopped by a
-    failed reward, or by an error of a single process, is first checkpointed by its TrainingLoop (`after_failure`)."""
+    """`python <trainer>.py ...`: runs main on the parsed command line, SIGTERM / SIGINT asking for a checkpoint and
+    stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     with ends_process():
@@ -1190,8 +1185,7 @@ def one_line_errors(prog: str):
 
 
 def report(line: str, exit_code: int):
-    """Prints `line` on rank 0 and exits; under torchrun every rank also writes it to its elastic error file, as
-    torch.distributed.elastic's `record` does, so that torchrun reports it as the root cause."""
+    """Prints `line` on rank 0 and exits; each rank also writes it to its torchrun error file, as the root cause."""
     print0(line, file=sys.stderr)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
@@ -1219,8 +1213,8 @@ def _on_signal(signum, frame):
 
 @contextlib.contextmanager
 def interruptible():
-    """A block of the main thread that may wait long on something outside (a remote scorer): SIGTERM / SIGINT,
-    before or during it, raises TrainingStopped there, so the run goes on to its checkpoint-and-stop path."""
+    """A main-thread block that may wait long (a remote scorer): SIGTERM / SIGINT before or during it raises
+    TrainingStopped there, so the run goes on to its checkpoint-and-stop path."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers run in the main thread only
         yield
         return
@@ -1251,11 +1245,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
-    """Parses the command line into `args_cls`, a dataclass whose fields carry the toy defaults and help
-    strings. `--model` is read first, so that `--help` and every field left unset take that model's entry of
-    `model_defaults` (the trainer's table for flux / sd3; the toy has none). Every number is then checked against
-    its field's bounds (check_flag: NaN and inf never pass), and an empty value of a flag that defaults to unset
-    is refused."""
+    """Parses the command line into `args_cls` (a dataclass of toy defaults and help strings). `--model` is read first,
+    so `--help` and unset fields take its entry of `model_defaults` (flux / sd3). Numbers must be within their field's
+    bounds (check_flag: NaN and inf never pass); an empty value of a flag that defaults to unset is refused."""
     doc = " ".join((sys.modules["__main__"].__doc__ or "").split("\n\n")[0].split())
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     pre = Parser(add_help=False)
@@ -1335,8 +1327,7 @@ def rank_param_diff(params: list[torch.Tensor]) -> float:
 
 
 def no_sync(net: torch.nn.Module, skip: bool):
-    """No gradient communication while accumulating (skip=True), so only the last backward syncs: DDP's
-    no_sync(), or FSDP2's set_requires_gradient_sync(False)."""
+    """skip=True: no gradient sync while accumulating (DDP's no_sync(), FSDP2's set_requires_gradient_sync)."""
     if hasattr(net, "set_requires_gradient_sync"):
         net.set_requires_gradient_sync(not skip)
         return contextlib.nullcontext()
@@ -1344,20 +1335,16 @@ def no_sync(net: torch.nn.Module, skip: bool):
 
 
 def out_of_time(t0: float, budget: float, device) -> bool:
-    """`--time-budget`: True once `budget` seconds have passed since t0 on any rank, so that all ranks stop at
-    the same iteration; a budget of 0 never runs out."""
+    """`--time-budget`: True once `budget` s (0: never) have passed since t0 on any rank, so all ranks stop together."""
     return budget > 0 and bool(all_ranks([time.time() - t0 >= budget], device, dist.ReduceOp.MAX)[0])
 
 
 # ==============================================================================================================
-# 6. The training loop and its guards: the flags checked, the loop around the method, the step guard,
-#    the work counters, FSDP2 sharding
+# 6. The training loop and its guards: the loop around the method, the step guard, work counters, FSDP2
 # ==============================================================================================================
-# The plumbing every trainer shares: its flags checked, the micro-batch split, and the loop around the method.
 def setup_training(args) -> Runtime:
-    """Checks what the flags' own bounds (cli) do not: the model, its weights and the reward (check_model), --wandb,
-    then setup_runtime, then the flags that depend on the number of ranks; all before a model loads (a UsageError
-    naming the first bad flag)."""
+    """Checks, before a model loads, what the flags' bounds (cli) do not: the model, weights and reward (check_model),
+    --wandb, then after setup_runtime the flags that depend on the number of ranks."""
     if args.lora_rank:
         at_least(1e-12, lora_alpha=args.lora_alpha)
     check_model(args.model, args.model_path, args.reward)
@@ -1376,11 +1363,9 @@ def setup_training(args) -> Runtime:
 
 
 def check_model(name: str, path: str | None, reward: str | None = None):
-    """Refuses, before anything loads, a --model-path that holds no weights of --model `name` (a missing folder, one
-    that is not a pipeline or whose model_index.json or transformer/config.json is not a JSON object, a hub
-    repository not in the cache while offline, a malformed random:N) and a --reward that does not fit the model (the
-    toy world's rewards read only its 16x16 shapes) or whose scorer's files are not in the hub cache while offline
-    (check_scorer_files)."""
+    """Refuses, before anything loads, a --model-path without weights of --model `name` (missing, not a pipeline, a
+    config not a JSON object, an uncached hub repository while offline, a bad random:N) and a --reward that does not
+    fit the model (toy rewards read 16x16 shapes) or whose files are not cached offline (check_scorer_files)."""
     from huggingface_hub import constants, try_to_load_from_cache
     names = {n for n, _ in parse_reward_spec(reward)} if reward is not None else set()
     if name != "toy" and names & {"toy", "toy-soft"}:
@@ -1416,8 +1401,7 @@ def check_model(name: str, path: str | None, reward: str | None = None):
 
 def micro_batches_per_update(n: int, micro_batch: int, updates: int,
                              samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
-    """The micro-batches of one optimizer step: n samples per rank in micro-batches of `micro_batch`, trained
-    in `updates` steps. A UsageError names the flag to change unless both split evenly."""
+    """Micro-batches per optimizer step for n samples per rank, `updates` steps; a UsageError unless both divide."""
     if n % micro_batch:
         raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
     if (n // micro_batch) % updates:
@@ -1427,14 +1411,11 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 
 class UpdateStats:
-    """An update's statistics: `add` takes each backward's numbers as 0-d tensors and leaves them on the device;
-    `stepped` fetches them once per optimizer step (one host sync, where a GPU would stall on each .item()).
-    `metrics` gives each key's mean over the backward passes, grad_norm's over the optimizer steps, and
-      ratio_dev_max                              the largest |rho - 1| of the update;
-      ratio_dev_first_update, kl_first_update    the same and the largest KL in the first optimizer step, which is
-                                                 exactly on-policy: both 0 (at a fresh start for the KL);
-      ratio_dev_second_update, approx_kl_second_update   the second optimizer step's largest |rho - 1| and mean
-                                                 approx_kl: its micro-batches scored after one step, the step's size."""
+    """An update's statistics: `add` keeps each backward's 0-d tensors on the device; `stepped` fetches them once per
+    optimizer step (one host sync, not one per .item()). `metrics`: each key's mean over backward passes, grad_norm's
+    over optimizer steps; ratio_dev_max, the update's largest |rho - 1|; ratio_dev_first_update and kl_first_update,
+    their largest in the first step (exactly on-policy: both 0, the KL at a fresh start); ratio_dev_second_update and
+    approx_kl_second_update, the second step's largest |rho - 1| and mean approx_kl (after one step: its size)."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1463,10 +1444,10 @@ class UpdateStats:
 
 
 class TrainingLoop:
-    """What a trainer's loop does around its method: the clock (training seconds, evaluation left out, continued
-    across --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints
-    every --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into
-    which it loads the run's checkpoint, if there is one.
+    """What a trainer's loop does around its method: the clock (training seconds without evaluation, continued across
+    --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints every
+    --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into which it loads
+    the run's checkpoint, if any. A run stopped by an exception (`after_failure`) keeps its last completed iteration.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -1475,8 +1456,6 @@ class TrainingLoop:
             ...                             # the method: rollout, rewards, update, metrics.update(...)
             loop.end(metrics)
         return loop.finish()
-
-    A run stopped by an exception on its way (`after_failure`, from run_cli) keeps the last completed iteration.
     """
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
@@ -1506,10 +1485,9 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt)
 
     def stop_if_signalled(self, it: int):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called
-        at the start of each iteration, after each rollout micro-batch and before the update (the rollout is dropped:
-        no optimizer step has run). Nothing is saved under --preflight, nor before the run's first optimizer step (its
-        state is the one it started from): the same command starts it again."""
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called at
+        each iteration's start, after each rollout micro-batch and before the update (the rollout is dropped). Nothing
+        is saved under --preflight or before the run's first optimizer step (the state it started from)."""
         signum = signalled(self.rt.device)
         if not signum:
             return
@@ -1526,13 +1504,11 @@ class TrainingLoop:
                               f"{self.run.dir}", exit_code=code)
 
     def after_failure(self, e: Exception):
-        """Ends a run stopped by exception `e` (run_cli calls it), keeping what it can, by raising the TrainingStopped
-        that says what was kept. Raised as they are: a TrainingStopped without `save_state` (the weights may not be
-        finite, a write failed, a signal was handled) and, under torchrun, any other exception (it may be on one
-        rank only). Otherwise the weights are intact: before the run's first optimizer step they are those it
-        started from, so nothing is saved and the line says to rerun the command; else if no optimizer step of the
-        current iteration has run, its starting state is checkpointed (by the usual signal stop if a signal cut a
-        blocking call short), else the line names the newest checkpoint."""
+        """Ends a run stopped by `e` (from run_cli) with a TrainingStopped saying what was kept. Re-raised as is: a
+        TrainingStopped without `save_state` (weights maybe non-finite, a failed write, a handled signal) and, under
+        torchrun, any other exception (it may be on one rank only). Otherwise the weights are intact: before the first
+        optimizer step nothing is saved (rerun the command); if no step of this iteration has run, its starting state
+        is checkpointed (by the signal stop if a signal cut a blocking call short); else the newest one is named."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
         if self.preflight and intact and isinstance(e, TrainingStopped):  # a scorer failed: the table, with its row
             self.preflight.failed(e)
@@ -1558,8 +1534,7 @@ class TrainingLoop:
                                if newest else "there is no checkpoint yet: start over in a new --output-dir"))
 
     def evaluate(self, it: int) -> dict:
-        """The held-out evaluation (of the EMA weights, if kept) and its image grid eval_NNNNNN.png, a row per
-        prompt; its time is taken off the clock."""
+        """Held-out evaluation (of the EMA weights, if kept) and its grid eval_NNNNNN.png, off the clock."""
         a, tic = self.args, time.time()
         with self.ema.swapped_in() if self.ema else contextlib.nullcontext():
             res, rows = evaluate(self.adapter, self.adapter.transformer, self.eval_prompts, a.eval_images,
@@ -1571,10 +1546,9 @@ class TrainingLoop:
         return res
 
     def begin(self, it: int) -> dict | None:
-        """Starts iteration `it`: checkpoints and stops on a signal, evaluates when due, and returns its metrics
-        line. The last one (--iterations reached or --time-budget spent) is logged at once, with a check under
-        DDP that the replicas agree, and None is returned: the loop ends. Under --preflight: the preflight's
-        first checks, then the one measured iteration, whatever is due."""
+        """Starts iteration `it`: stops on a signal, evaluates when due, returns its metrics line. The last one
+        (--iterations or --time-budget reached) is logged at once, with a DDP replica check, and None is returned.
+        Under --preflight: the preflight's first checks, then its one measured iteration, whatever is due."""
         a = self.args
         self.stop_if_signalled(it)
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
@@ -1593,8 +1567,7 @@ class TrainingLoop:
         return None
 
     def end(self, metrics: dict):
-        """Logs the iteration's line with its time_s, and checkpoints every --save-every iterations. Under
-        --preflight: the preflight's report instead, and the run stops (TrainingStopped)."""
+        """Logs the iteration's line and checkpoints every --save-every iterations; --preflight reports and stops."""
         if self.preflight:
             self.preflight.end(metrics)
         metrics["time_s"] = self.seconds()
@@ -1613,19 +1586,17 @@ class TrainingLoop:
 
 
 def finite(tensors: list[torch.Tensor], device) -> bool:
-    """True if every tensor on every rank holds only finite numbers (of an FSDP2 DTensor: this rank's shard)."""
+    """True if every tensor (FSDP2: this rank's shard) on every rank is finite."""
     flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
     ok = bool(torch.stack(flags).all()) if flags else True  # one device sync for all the tensors
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
 class StepGuard:
-    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN or inf on any
-    rank (where a non-finite reward, advantage or loss shows). Counts the skips (`skipped`) and stops the run
-    after `max_bad` in a row, before anything non-finite is saved; a step that leaves a weight non-finite in its
-    own dtype (a learning rate far too large) stops it at once. With `loss_scaling` (fp16 compute) a GradScaler
-    scales the losses so small gradients survive fp16; a skip for an overflow while every loss was finite is the
-    scaler's own back-off (it halves the scale) and does not count towards `max_bad`."""
+    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN / inf on any rank
+    (how a non-finite reward, advantage or loss shows). `max_bad` skips (counted in `skipped`) in a row stop the run
+    before anything non-finite is saved; a step leaving a weight non-finite in its dtype (lr far too large), at once.
+    `loss_scaling` (fp16): a GradScaler, whose overflow skips with finite losses (its back-off) do not count."""
 
     def __init__(self, max_bad: int, device, loss_scaling: bool = False):
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
@@ -1672,9 +1643,8 @@ class StepGuard:
 
 
 def instrument(adapter):
-    """Counts in `adapter.counts` the rows through the transformer ("nfe_fwd" without grad, i.e. sampling;
-    "nfe_fwd_bwd" with grad, each followed by a backward; CFG's two branches are two rows) and VAE decodes. A hook
-    on the module, so a deepcopy of the transformer (the frozen reference) counts into the same place."""
+    """Counts in `adapter.counts` transformer rows ("nfe_fwd" without grad, i.e. sampling; "nfe_fwd_bwd" with grad;
+    CFG's two branches are two rows) and VAE decodes; a module hook, so a deepcopy (the frozen reference) counts too."""
     counts = adapter.counts = collections.Counter()
 
     def hook(module, args, kwargs, out):
@@ -1693,13 +1663,12 @@ def instrument(adapter):
 
 
 def work_snapshot(adapter, reward_fn, guard) -> dict:
-    """The work counted so far: adapter.counts, images scored (reward_fn.calls), steps skipped (guard.skipped)."""
+    """The work counted so far: adapter.counts, images scored, steps skipped."""
     return {**adapter.counts, "reward_calls": reward_fn.calls, "skipped_steps": guard.skipped}
 
 
 def work_done(adapter, reward_fn, before: dict, guard) -> dict:
-    """The work of one iteration, since `before` (a work_snapshot): transformer rows without grad (nfe_fwd) and
-    with grad and a backward (nfe_fwd_bwd), VAE decodes, images scored, optimizer steps skipped."""
+    """The work of one iteration: the counts since `before` (a work_snapshot)."""
     now = work_snapshot(adapter, reward_fn, guard)
     return {k: now.get(k, 0) - before.get(k, 0) for k in ("nfe_fwd", "nfe_fwd_bwd", "decodes", "reward_calls",
                                                            "skipped_steps")}
@@ -1711,11 +1680,9 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
-    """--fsdp: FSDP2's fully_shard on each transformer block, then on the root, over all ranks. The trained
-    weights become float32 master shards (DTensors), cast block by block as they are sharded, so no rank ever
-    holds the whole model in float32; on GPU they are gathered in the compute dtype and gradients reduced in
-    float32. The frozen reference `ref` is sharded the same way in its own dtype. Returns this rank's shards
-    of the trainable parameters."""
+    """--fsdp: FSDP2's fully_shard on each transformer block, then the root. Trained weights become float32 master
+    shards (DTensors), cast block by block so no rank holds the whole model in float32; on GPU gathered in the compute
+    dtype, gradients reduced in float32. The frozen `ref` is sharded alike in its dtype. Returns this rank's shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
         else MixedPrecisionPolicy()
@@ -1734,9 +1701,7 @@ def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.M
 # ==============================================================================================================
 @dataclasses.dataclass
 class Run:
-    """Where a run writes and what it resumes: the folder, what --resume must match (`meta`: trainer, model, LoRA rank
-    and alpha, EMA), the run's settings (`config`, for args.json), the checkpoint (None: a fresh start) and its
-    iteration."""
+    """A run: folder, `meta` (what --resume must match), `config` (args.json), checkpoint (None: fresh), iteration."""
     dir: Path
     meta: dict
     config: dict
@@ -1744,8 +1709,8 @@ class Run:
     start: int = 0
 
     def log_start(self):
-        """Rank 0, once the checkpoint has loaded: the first start writes args.json; every later one, and a new folder
-        continuing a checkpoint, appends {"resumed": {"from_iteration", "checkpoint", "args"}} to metrics.jsonl."""
+        """Rank 0, after the checkpoint loads: the first start writes args.json; every later one, and a new folder
+        continuing a checkpoint, appends {"resumed": {...}} to metrics.jsonl."""
         args_file = self.dir / "args.json"
         if self.checkpoint is not None or args_file.exists():
             append_line(self.dir / "metrics.jsonl", {"resumed": {
@@ -1756,18 +1721,16 @@ class Run:
 
 
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
-    """Decides the run folder and the checkpoint to resume before any model loads, and claims the folder (rank 0
-    decides; every rank gets the answer or the same UsageError). Rank 0 holds the folder until the run ends
-    (_hold_folder): a folder another live run holds is refused. A run folder only grows: nothing in it is moved,
-    rewritten or deleted (but .lock, which names its latest holder), so a run continues in place only from its newest
-    checkpoint.
+    """Decides the run folder and checkpoint before any model loads and claims the folder until the run ends (rank 0
+    decides and holds it, _hold_folder; every rank gets the answer or the same UsageError; one another live run holds
+    is refused). A run folder only grows (nothing but .lock is moved, rewritten or deleted), so a run continues in
+    place only from its newest checkpoint.
       - fresh: --output-dir, or a new runs/<trainer>-<model>-<time>-<random>; a folder holding a run is refused;
-      - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder),
-        which may hold a run only if this is its newest checkpoint; the checkpoint must match the run's trainer,
-        model, LoRA and EMA and lie within --iterations;
+      - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder), which
+        may hold a run only if this is its newest checkpoint; it must match the run's meta and lie within --iterations;
       - --resume auto: the newest complete checkpoint in --output-dir, or a fresh start there.
-    Nothing is written here but the folder and its .lock: TrainingLoop writes args.json or the resume marker
-    (Run.log_start) once the checkpoint has loaded, and a --preflight run writes neither."""
+    Only the folder and its .lock are written here; args.json or the resume marker once the checkpoint has loaded
+    (Run.log_start), neither under --preflight."""
     meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "ema": args.ema}
     run = None
@@ -1829,15 +1792,14 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
 
 
 def holds_run(run_dir: Path) -> bool:
-    """Whether run_dir holds a run: checkpoints/, or a metrics.jsonl line besides the markers of starts that stopped
-    before their first iteration ended (a folder holding only .lock, args.json, ... starts afresh)."""
+    """Whether run_dir holds a run: checkpoints/, or a metrics.jsonl line besides resume markers."""
     metrics = run_dir / "metrics.jsonl"
     return (run_dir / "checkpoints").is_dir() or metrics.is_file() and any(
         line.strip() and not line.startswith('{"resumed"') for line in metrics.read_text(errors="replace").splitlines())
 
 
 def writable_folder(folder: Path, flag: str):
-    """Makes `folder` if need be and checks that a file can be written in it; a UsageError names `flag`."""
+    """Makes `folder` if need be and probes that a file can be written there; a UsageError names `flag`."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
@@ -1851,9 +1813,8 @@ _HELD = []  # the open .lock of the run folder this process holds
 
 
 def _hold_folder(run_dir: Path) -> int:
-    """Locks run_dir for this process (an OS lock on run_dir/.lock, a regular file naming its holder's pid and host,
-    never followed if it is a link): held until the run finishes, the process ends however it ends, or it prepares
-    its next run. A folder another process holds is refused, naming that process. Returns the lock's descriptor."""
+    """Locks run_dir until the run or process ends or it prepares its next run (flock on .lock, a regular file naming
+    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd."""
     import fcntl
     _release_folder()
     path = run_dir / ".lock"
@@ -1882,7 +1843,7 @@ def _release_folder():
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> Path:
-    """--resume accepts a checkpoint folder or a run folder (then its latest checkpoint)."""
+    """A checkpoint folder, or a run folder's latest checkpoint."""
     p = Path(path)
     if (p / "checkpoints" / "latest").is_file():
         p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
@@ -1898,15 +1859,13 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-# What checkpoint.json holds, each key with the type it must have: the run it belongs to (meta), where it is, and
-# whether its optimizer had stepped (before the first step there is no AdamW state to save).
+# checkpoint.json's keys and their types: the run's meta, where it is, whether the optimizer had stepped.
 CHECKPOINT_KEYS = {"trainer": str, "model": str, "lora_rank": int, "lora_alpha": (int, float), "ema": bool,
                    "iteration": int, "world_size": int, "elapsed": (int, float), "optimizer_stepped": bool}
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json; one that is unreadable, lacks a key of CHECKPOINT_KEYS, names no model of
-    MODELS or a negative iteration is refused."""
+    """A checkpoint's checkpoint.json, refused unless readable and well-typed (CHECKPOINT_KEYS) with sane values."""
     try:
         info = json.loads((checkpoint / "checkpoint.json").read_text())
         if all(type(info[k]) in (t if isinstance(t, tuple) else (t,)) for k, t in CHECKPOINT_KEYS.items()) and \
@@ -1921,7 +1880,7 @@ def checkpoint_info(checkpoint: Path) -> dict:
                      f"checkpoints/iter_* folder")
 
 
-# How a resumed run must match its checkpoint: checkpoint.json key -> what to say when they differ (theirs, ours).
+# checkpoint.json key a resumed run must match -> what to say when they differ (theirs, ours).
 RESUME_MATCH = {
     "trainer": lambda theirs, ours: f"was trained by {theirs}.py, not {ours}.py: resume it with {theirs}.py",
     "model": lambda theirs, ours: f"has --model {theirs}, this run {ours}: pass --model {theirs}",
@@ -1933,9 +1892,8 @@ RESUME_MATCH = {
 
 
 def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint that does not match `meta` (RESUME_MATCH; the LoRA alpha only under LoRA) or whose training
-    state is not readable, and says what changes when its number of ranks differs from meta's "world_size"; returns
-    its iteration."""
+    """Refuses a checkpoint that does not match `meta` (RESUME_MATCH; LoRA alpha only under LoRA) or whose state/ is
+    unreadable, and says what a changed number of ranks changes; returns its iteration."""
     info = checkpoint_info(checkpoint)
     for key, say in RESUME_MATCH.items():
         if info[key] != meta[key] and (key != "lora_alpha" or meta["lora_rank"]):
@@ -1962,8 +1920,7 @@ def check_checkpoint(checkpoint: Path, meta: dict) -> int:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as a short line: its type and the first line of its message (of a torch.distributed.checkpoint
-    failure, the first rank's)."""
+    """An exception's type and first message line (of a torch.distributed.checkpoint failure, the first rank's)."""
     e = next(iter(getattr(e, "failures", {}).values()), e)   # CheckpointException: {rank: WrappedException}
     e = getattr(e, "exc", e)
     e = e[0] if isinstance(e, tuple) else e                   # (exception, its frames)
@@ -1971,11 +1928,10 @@ def one_line(e: BaseException) -> str:
 
 
 def training_state(params: list, optimizer, ema: EMA | None) -> dict:
-    """The training state as torch.distributed.checkpoint saves it and loads it in place, resharded to this run's
-    layout: the trainable tensors keyed by position, their AdamW state unless `optimizer` is None (before its first
-    step; a fresh optimizer gets zero state to load into) and the EMA's shadow. Plain tensors (one process, DDP) and
-    FSDP2's shards are the same entries, so a checkpoint of either layout resumes in the other, on any number of
-    ranks."""
+    """The state torch.distributed.checkpoint saves and loads in place, resharded to this run's layout: trainable
+    tensors by position, their AdamW state unless `optimizer` is None (not yet stepped: a fresh one has no state to
+    load into), the EMA's shadow. Plain tensors (one process, DDP) and FSDP2 shards are the same entries, so either
+    layout resumes in the other, on any number of ranks."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1988,9 +1944,8 @@ def training_state(params: list, optimizer, ema: EMA | None) -> dict:
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (write_checkpoint into a temporary folder renamed
-    into place, then `latest` updated), or keeps the one already there. Every rank calls it; all return once it is in
-    place. Weights not finite on any rank are never written, and a write failing on any rank stops every rank."""
+    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
+    `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
@@ -2009,13 +1964,10 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str):
-    """Writes a checkpoint into the new `folder`, its files and folders with the process's umask; every rank calls it:
-      - pytorch_lora_weights.safetensors (for `pipe.load_lora_weights(dir)`), or transformer/ under full
-        fine-tuning: the EMA weights when there is an EMA;
-      - state/: the training state (training_state: exact weights, AdamW state, EMA) in torch.distributed.checkpoint's
-        format, each rank writing its part;
-      - checkpoint.json, last: `info` (meta, iteration, elapsed seconds), the number of ranks and whether the optimizer
-        had stepped, which --resume checks (CHECKPOINT_KEYS).
+    """Writes a checkpoint into the new `folder` (with the process's umask); every rank calls it:
+      - pytorch_lora_weights.safetensors (`pipe.load_lora_weights(dir)`), or transformer/; the EMA's weights if kept;
+      - state/: training_state in torch.distributed.checkpoint's format, each rank writing its part;
+      - checkpoint.json, last: `info` (meta, iteration, elapsed seconds), ranks and optimizer_stepped (CHECKPOINT_KEYS).
     A failure on any rank removes the folder and stops every rank with one line naming `what`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -2054,8 +2006,7 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
-    """save_pretrained's files from a full state dict, for a model whose class FSDP2 has wrapped (the config
-    names the original class, so from_pretrained reads it)."""
+    """save_pretrained's files from a full state dict of an FSDP2-wrapped model (config: the original class)."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True)
     original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
@@ -2066,8 +2017,7 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
 
 
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
-    """Restores the trainable parameters, optimizer and EMA from state/, in place; returns the training seconds so far.
-    A state that does not load (damaged, or of another model) is refused in one line."""
+    """Restores parameters, optimizer and EMA in place from state/ (else a UsageError); returns the training seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
@@ -2093,10 +2043,9 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
 # 8. Logging and labelled image grids
 # ==============================================================================================================
 class Logger:
-    """Main process only: one JSON line per iteration appended to metrics.jsonl (NaN and inf written as null),
-    one line on stdout, and Weights & Biases when given a `wandb_config` (the run's settings). A resumed run logs
-    again from its checkpoint's iteration, after a marker line (prepare_run): a reader takes the last line of each
-    iteration and skips lines without one."""
+    """Main process only: a JSON line per iteration appended to metrics.jsonl (NaN, inf: null), a line on stdout, W&B
+    with a `wandb_config`. A resumed run logs again from its checkpoint's iteration: a reader takes each iteration's
+    last line and skips lines without one."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
@@ -2120,8 +2069,8 @@ class Logger:
 
 
 def append_line(path: Path, record: dict):
-    """Appends `record` as one strict JSON line, after ending a last line cut short (by a kill) with a newline. A
-    write that fails (a full disk) is undone, so the file never ends in half a line, and stops the run."""
+    """Appends `record` as one strict JSON line (first ending a line a kill cut short); a failed write is undone, so
+    the file never ends in half a line, and stops the run."""
     line = json.dumps(record, allow_nan=False).encode() + b"\n"
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -2155,8 +2104,8 @@ def write_failed(path: Path, e: OSError) -> TrainingStopped:
 
 
 def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
-    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]), in tiles 128-256
-    px high. With `groups` (titles), each row splits into that many equal groups, e.g. two models side by side."""
+    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]) in tiles 128-256 px
+    high; `groups` (titles) splits each row into equal groups, e.g. two models side by side."""
     import textwrap
 
     from PIL import Image, ImageDraw, ImageFont
@@ -2195,7 +2144,7 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
 # ==============================================================================================================
 @torch.no_grad()
 def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Deterministic Euler sampler over the grid `sigmas`: the evaluation path (noise level 0)."""
+    """Deterministic Euler sampler over `sigmas` (noise level 0): the evaluation path."""
     for k in range(len(sigmas) - 1):
         x = ode_step(x, adapter.velocity(net, x, sigmas[k], cond), sigmas[k], sigmas[k + 1])
     return x
@@ -2204,12 +2153,10 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the ODE sampler, split over the ranks (rank 0 shows a progress bar). Image i has
-    prompt i mod len(records) and noise seeded by (seed, i): the same result for any number of ranks or batch size.
-    Returns (metrics, rows):
-      metrics  eval_reward (the weighted sum's mean) and eval_<name> per scorer, each with its standard error
-               (eval_..._se: sample std / sqrt(n)), and eval_accuracy with `accuracy_fn`;
-      rows     [(prompt, images (n, 3, H, W))] on every rank: the first grid[0] prompts, up to grid[1] images each."""
+    """Held-out evaluation with the ODE sampler, split over ranks. Image i has prompt i mod len(records) and noise
+    seeded by (seed, i): the same result for any number of ranks or batch size. Returns (metrics, rows): eval_reward
+    (the weighted sum's mean), eval_<name> per scorer, each with eval_..._se (sample std / sqrt(n)), eval_accuracy
+    with `accuracy_fn`; on every rank [(prompt, images (n, 3, H, W))], grid[0] prompts of up to grid[1] images."""
     sigmas = adapter.sigmas(steps)
     names = list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
@@ -2265,9 +2212,8 @@ EVAL_SETTINGS = {"images": ("eval_images", int, 1, 100_000), "steps": ("eval_ste
 
 
 def evaluate_main(argv=None) -> dict:
-    """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts as the
-    trainers evaluate, prints each reward's mean +- standard error, and writes results.json and grid.png (two
-    models side by side). Works under torchrun."""
+    """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts as the trainers
+    evaluate, prints each reward's mean +- standard error, writes results.json and grid.png. Works under torchrun."""
     ap = Parser(prog="common.py evaluate", description=evaluate_main.__doc__)
     ap.add_argument("--checkpoint", action="append", default=[],
                     help="a run folder (its latest checkpoint), a checkpoints/iter_* folder, or base (untrained); "
@@ -2368,8 +2314,7 @@ def _evaluate_main(a) -> dict:
 
 
 def run_settings(run_dir: Path) -> dict:
-    """A run's args.json ({} if it has none) as `common.py evaluate` takes its settings: a JSON object whose settings
-    of EVAL_SETTINGS have their types and bounds, else one line naming the file."""
+    """A run's args.json ({} if none), refused in one line unless its EVAL_SETTINGS have their types and bounds."""
     path = run_dir / "args.json"
     if not path.is_file():
         return {}
@@ -2457,11 +2402,9 @@ def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
 
 class Preflight:
     """--preflight, driven by TrainingLoop: begin() checks the set-up, a few evaluation images and each reward on
-    them; the trainer then runs one iteration of its own rollout and update, during which StepGuard reports the
-    first optimizer step's gradients (see_gradients) and every model call is timed (encode, velocity, decode, each
-    scorer, backward); end() checks the update, projects the whole run's cost, prints the table, writes
-    preflight.json in the run folder and stops the run (TrainingStopped, exit 0 if no row FAILed, else 1) with
-    nothing logged or saved."""
+    them; the trainer runs one iteration of its own rollout and update, every model call timed and StepGuard reporting
+    the gradients (see_gradients); end() checks the update, projects the run's cost, prints the table, writes
+    preflight.json and stops the run (exit 0 if no row FAILed, else 1), nothing logged or saved."""
 
     active: Preflight | None = None  # the running one, which StepGuard reports to
 
@@ -2520,7 +2463,7 @@ class Preflight:
         self.model_s, self.tic = 0.0, time.perf_counter()
 
     def generation(self, lp, a, rt):
-        """Images at the evaluation settings (evaluate, timed: one batch per rank), each scorer on them."""
+        """Images at the evaluation settings (one timed batch per rank) and each scorer on them."""
         n = min(a.eval_images, PREFLIGHT_IMAGES * rt.world_size)
         tic = time.perf_counter()
         _, rows = evaluate(lp.adapter, lp.adapter.transformer, lp.eval_prompts, n, a.eval_steps, lp.reward_fn, rt,
@@ -2568,9 +2511,9 @@ class Preflight:
                                       f"{lo:g} - {hi:g}", lo <= s.mean().item() <= hi, warn=True))
 
     def probe(self, lp, a) -> set:
-        """The trained tensors no loss can reach: any loss reaches the weights through the velocity, so one backward
-        of a random projection of one velocity finds them, in the graph but with a gradient of exactly zero (the
-        text stream of SD3's last joint block, which the model drops). A tensor outside the graph is not one."""
+        """The trained tensors no loss can reach: losses reach weights through the velocity, so one backward of a
+        random projection of one velocity finds those in the graph with an exactly zero gradient (SD3's last joint
+        block's text stream, which the model drops)."""
         cond = lp.adapter.encode([lp.eval_prompts[0]["prompt"]])
         v = lp.adapter.velocity(lp.adapter.transformer, lp.adapter.noise(1, make_generator(a.seed, 1)), 0.5, cond)
         loss = (v * torch.randn(v.shape, generator=make_generator(a.seed, 2)).to(v)).sum()
@@ -2584,9 +2527,8 @@ class Preflight:
         return {id(p) for p, z in zip(lp.params, zero) if z}
 
     def see_gradients(self, params: list, overflow_possible: bool):
-        """From StepGuard.step, before clipping, at each optimizer step of the measured iteration: each tensor's
-        gradient finite and nonzero (over all ranks and the iteration) and the largest norm (under fp16 loss scaling:
-        of the steps without a scaler overflow)."""
+        """From StepGuard.step before clipping, each step of the measured iteration: which gradients are finite and
+        nonzero (over ranks and steps) and the largest norm (fp16 loss scaling: of steps without an overflow)."""
         grads = [None if p.grad is None else p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                  for p in params]
         dev = self.loop.rt.device
@@ -2612,7 +2554,7 @@ class Preflight:
         self.grads = {"finite": finite_, "nonzero": nonzero, "norm": norm, "zero_b": zero_b, "names": names}
 
     def gradient_rows(self, a) -> list:
-        """The gradient rows of the measured iteration: finite, reaching every tensor that can get one, and the norm."""
+        """Gradient rows: finite, reaching every tensor that can get one, and the norm."""
         g, n, clip = self.grads, len(self.loop.params), a.grad_clip
         if g is None:
             return [_row("gradients finite", "no optimizer step", "all", False, "the iteration took no optimizer step")]
@@ -2674,8 +2616,7 @@ class Preflight:
         peak = all_ranks([peak], rt.device, dist.ReduceOp.MAX)[0]
         self.rows.append(_row("peak memory per device", f"{peak / 2**30:.2f} GiB of {self.total / 2**30:.0f}",
                               "< 90%", peak < 0.9 * self.total, warn=True))
-        # a trial checkpoint, written and removed: its size, and the worst time from a signal to a saved checkpoint
-        # (a signal during an update lets it finish, then saves: the update's time plus one save)
+        # a trial checkpoint, written and removed: its size, and the worst signal-to-checkpoint time (update + save)
         trial = broadcast_object(lp.run.dir / f".preflight-checkpoint-{os.getpid()}")
         _sync(rt.device)
         tic = time.perf_counter()
@@ -2694,7 +2635,7 @@ class Preflight:
                               worst <= grace if grace else None, f"torchrun SIGKILLs {grace} s after SIGTERM: pass "
                               f"torchrun --shutdown-timeout {need} (or set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={need}) and "
                               f"have the scheduler signal that early (Slurm: --signal=TERM@{need})", warn=True))
-        # ---- 5. Projection: the measured iteration and evaluation, multiplied out ----
+        # the projection: the measured iteration and evaluation, multiplied out
         iters = a.iterations - self.start
         evals = sum(1 for i in range(self.start, a.iterations + 1) if a.eval_every and (i % a.eval_every == 0 or
                                                                                         i == a.iterations))
@@ -2716,13 +2657,12 @@ class Preflight:
                                  for k, v in metrics.items()}})
 
     def failed(self, e: TrainingStopped):
-        """A scorer failed (on any rank): the table so far, with the failing row, and the run stops (exit 1)."""
+        """A scorer failed on some rank: the table so far with a failing row, and a stop (exit 1)."""
         self.rows.append(_row("rewards scored", str(e), "scores", False, "fix the scorer or its server"))
         self.report({})
 
     def report(self, extra: dict):
-        """Prints the table, writes it with `extra` to a new preflight.json and stops the run (exit 1 if any row
-        FAILed, else 0)."""
+        """Prints the table, writes it with `extra` to a new preflight.json and stops the run (exit 1 on a FAIL)."""
         lp, rt = self.loop, self.loop.rt
         fails = int(all_ranks([sum(r[3] == "FAIL" for r in self.rows)], rt.device, dist.ReduceOp.MAX)[0])
         report = {"passed": not fails, "rows": [dict(zip(("check", "value", "expected", "status", "advice"), r))
@@ -2738,7 +2678,7 @@ class Preflight:
 
 
 def preflight_table(rows: list[tuple]) -> str:
-    """The rows as a Markdown table, the advice of each FAIL and WARN on a line below it."""
+    """The rows as a Markdown table, then each FAIL's and WARN's advice on a line."""
     out = ["| check | value | expected | status |", "|---|---|---|---|"]
     out += [f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows]
     return "\n".join(out + [f"{s} {c}: {advice}" for c, _, _, s, advice in rows if advice])
@@ -2748,13 +2688,12 @@ def preflight_table(rows: list[tuple]) -> str:
 # 11. Remote scorers and the reward server (`python common.py serve-reward`)
 # ==============================================================================================================
 class RemoteReward:
-    """A scorer in another process or machine over HTTP (protocol: README, Rewards; server: `python common.py
-    serve-reward`): each call POSTs one JSON batch and reads {"scores": [one finite number per image]} back. Each try
-    has `timeout` seconds in all (connecting, waiting, reading; _post). One that fails (no answer, past the deadline,
-    HTTP 5xx, a reply cut short or not JSON) is retried `retries` times after waits of backoff, 2 backoff, ..., then
-    the run stops naming the URL: a hung scorer costs (retries + 1) timeout + (2^retries - 1) backoff, 4 x 120 + 14 =
-    494 s by default. HTTP 4xx, a wrong count or a score that is not a number finite in float32 stops it at once:
-    never a silent zero in the advantages. SIGTERM / SIGINT cuts a call short (`interruptible`)."""
+    """A scorer over HTTP (protocol: README, Rewards; server: `python common.py serve-reward`): each call POSTs one
+    JSON batch and reads back {"scores": [a finite number per image]}. A try has `timeout` seconds in all (_post); a
+    failed one (no answer, deadline, HTTP 5xx, a reply cut short or not JSON) is retried `retries` times after waits
+    of backoff, 2 backoff, ..., then the run stops naming the URL: a hung scorer costs (retries + 1) timeout +
+    (2^retries - 1) backoff, 494 s by default. HTTP 4xx, a wrong count or a score not finite in float32 stops it at
+    once (never a silent zero advantage). SIGTERM / SIGINT cuts a call short (`interruptible`)."""
 
     reads_prompt = True  # assumed: the protocol does not say
 
@@ -2802,9 +2741,8 @@ class RemoteReward:
 
 
 def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
-    """POSTs a JSON body and returns (HTTP status, reply body) within `timeout` seconds in all, or raises
-    TimeoutError: a server sending a byte now and then never trips a socket's timeout, which restarts with each read,
-    so a timer shuts the connection at the deadline (no thread or socket outlives the call)."""
+    """(HTTP status, reply body) of a JSON POST within `timeout` seconds in all, else TimeoutError. A socket's timeout
+    restarts with each read (a trickling server never trips it), so a timer shuts the connection at the deadline."""
     import http.client
     import urllib.parse
     u = urllib.parse.urlsplit(url)
@@ -2828,17 +2766,16 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
 
 
 def _shut(sock):
-    """Ends a connection from any thread (a read blocked on it returns); one closed, or not yet open (None), is left."""
+    """Ends a connection from any thread (a read blocked on it returns); a closed or unopened one (None) is left."""
     with contextlib.suppress(OSError, AttributeError):
         sock.shutdown(socket.SHUT_RDWR)
 
 
 def serve_reward(argv=None):
     """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
-    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. A request that is not a
-    batch of uint8 (H, W, 3) images with a prompt each is answered 400, one over --max-request-mb 413, a scorer's
-    error 500; a client that has not sent its whole request --timeout seconds after connecting (however it trickles)
-    is dropped, one that leaves early is one line on stderr."""
+    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. Answers 400 to anything
+    but uint8 (H, W, 3) images with a prompt each, 413 over --max-request-mb, 500 on a scorer's error; a client whose
+    request is not all in --timeout s after connecting (however it trickles) is dropped, with a line on stderr."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
@@ -2860,7 +2797,7 @@ def serve_reward(argv=None):
     scorer, lock = None, threading.Lock()  # one batch at a time on the model
 
     def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
-        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata; a ValueError says what is wrong."""
+        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata, or a ValueError saying what is wrong."""
         batch = json.loads(raw)
         images, prompts, metadata = (batch.get(k) if isinstance(batch, dict) else None
                                      for k in ("images", "prompts", "metadata"))
@@ -2955,8 +2892,7 @@ TOY_SIZE = 16                 # pixels per side
 TOY_HALF_SIZE = (0.28, 0.40)  # shape half-size as a fraction of the canvas, drawn uniformly
 
 
-# Each colour is seen in pre-training with two shapes; the other 10 (colour, shape) pairs are held out
-# and are what RL trains and evaluates on: the pre-trained model has to compose them.
+# Pre-training sees each colour with two shapes; RL trains and evaluates on the other 10 pairs, which it must compose.
 TOY_SEEN = {(c, TOY_SHAPES[(i + j) % 4]) for i, c in enumerate(TOY_COLORS) for j in (0, 1)}
 
 
@@ -2971,7 +2907,7 @@ def toy_prompt(color: str, shape: str) -> str:
 
 
 def toy_parse_or_none(prompt: str) -> tuple[str | None, str | None]:
-    """The first colour and shape word of a prompt, None where there is none."""
+    """The first colour and shape word of a prompt, each None if absent."""
     words = prompt.lower().split()
     return next((w for w in words if w in TOY_COLORS), None), next((w for w in words if w in TOY_SHAPES), None)
 
@@ -3017,9 +2953,8 @@ _TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's,
 
 
 def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
-    """Reads back (colour, shape) from images (N, 3, 16, 16) in [0, 1]. Foreground: pixels whose brightest
-    channel exceeds 0.5. Colour: the palette entry nearest the mean foreground colour; shape: the template (any
-    size) with the best IoU, if that IoU is at least 0.5 (None where there is none)."""
+    """(colour, shape) of images (N, 3, 16, 16) in [0, 1]. Foreground: brightest channel > 0.5. Colour: the palette
+    entry nearest the mean foreground colour; shape: the template (any size) of best IoU if >= 0.5; None if absent."""
     imgs = images.detach().float().cpu().numpy()
     palette = np.asarray(list(TOY_COLORS.values()))
     colors, shapes = [], []
@@ -3079,9 +3014,8 @@ def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 class ToyTokenizer:
-    """Word-level tokenizer for the toy grammar: <bos> words <eos> <pad>... Unknown words map to <unk>.
-    The end-of-text id is not 2: CLIPTextModel reads its pooled output at the first eos_token_id (it
-    falls back to argmax(input_ids) when eos_token_id == 2)."""
+    """Word-level tokenizer for the toy grammar: <bos> words <eos> <pad>..., unknown words <unk>. The eos id is not
+    2: CLIPTextModel pools at the first eos_token_id, but at argmax(input_ids) when eos_token_id == 2."""
 
     specials = ["<pad>", "<bos>", "<unk>", "<eos>"]
     max_length = 8
@@ -3112,8 +3046,8 @@ def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build_toy_modules(seed: int = 0):
-    """The toy model's networks at their shipped sizes, random weights: diffusers' FluxTransformer2DModel
-    (2 double + 2 single blocks, width 64) on 2x2-packed pixels, and a 2-layer CLIPTextModel."""
+    """The toy networks at their shipped sizes, random weights: a FluxTransformer2DModel (2 double + 2 single blocks,
+    width 64) on 2x2-packed pixels and a 2-layer CLIPTextModel."""
     from diffusers import FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -3168,17 +3102,15 @@ class ToyAdapter(FluxFamilyAdapter):
 # ==============================================================================================================
 # Appendix B. Offline pipelines: the real classes with random weights
 # ==============================================================================================================
-# --model-path random / random:N builds the published architectures (FLUX.1-dev, Stable Diffusion 3.5 Medium)
-# offline: assets/architectures/<family>/ is laid out as their hub repositories (model_index.json, each
-# component's config.json) without the weights, and with tokenizers that know a few words and spell the rest in
-# characters (prompts are padded to the maximum length, so sequence lengths are the real ones).
+# --model-path random / random:N builds the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from
+# assets/architectures/<family>/, laid out as their hub repositories without weights; its tokenizers know a few words
+# and spell the rest in characters (prompts are padded to the maximum length, so sequence lengths are the real ones).
 ARCHITECTURES = ASSETS / "architectures"
 
 
 def architecture(family: str, blocks: int | None = None) -> dict:
-    """{component: config} of the published `family` ("flux" or "sd3") pipeline; with `blocks`, that many
-    transformer blocks of each kind (SD3's dual attention kept in its first 13) and 1-layer text encoders, every
-    width unchanged."""
+    """{component: config} of the published "flux" or "sd3" pipeline; `blocks`: that many transformer blocks of each
+    kind (SD3's dual attention in its first 13) and 1-layer text encoders, widths unchanged."""
     configs = {p.parent.name: json.loads(p.read_text()) for p in (ARCHITECTURES / family).glob("*/config.json")}
     if blocks:
         t = configs["transformer"]
@@ -3192,9 +3124,8 @@ def architecture(family: str, blocks: int | None = None) -> dict:
 
 
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
-    """The `family` pipeline (FluxPipeline / StableDiffusion3Pipeline) with its components built from `configs`
-    (`architecture`'s, or any sizes) with random weights drawn from `seed` on `device` ("meta": shapes only), in
-    the dtypes _freeze_pipeline keeps for compute dtype `dtype`; tokenizers and scheduler from the assets."""
+    """The `family` pipeline built from `configs` (`architecture`'s, or any sizes), random weights from `seed` on
+    `device` ("meta": shapes only) in the dtypes _freeze_pipeline keeps for `dtype`; tokenizers, scheduler: assets."""
     import importlib
     folder = ARCHITECTURES / family
     index = json.loads((folder / "model_index.json").read_text())
@@ -3213,7 +3144,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
 
 
 def random_depth(model_path: str | None) -> int | None:
-    """N for --model-path random:N, None for random (full depth) or any other path; refuses a malformed one."""
+    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one is refused."""
     if not (model_path or "").startswith("random"):
         return None
     depth = model_path.removeprefix("random").removeprefix(":")
