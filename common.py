@@ -1371,7 +1371,7 @@ def check_model(name: str, path: str | None, reward: str | None = None):
     if name != "toy" and names & {"toy", "toy-soft"}:
         raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
                          f"another --reward")
-    repo = path or HUB_IDS.get(name)
+    repo, configs = path or HUB_IDS.get(name), []
     if (path or "").startswith("random"):
         random_depth(path)
     elif name == "toy":
@@ -1379,23 +1379,25 @@ def check_model(name: str, path: str | None, reward: str | None = None):
         if not (root / "transformer").is_dir():
             raise UsageError(f"no toy weights in {root} (transformer/): run `python tests/pretrain_toy.py --out "
                              f"{root}` or fix --model-path")
+        repo, configs = root, [root / "transformer" / "config.json"]
     elif Path(repo).exists():
         if not (Path(repo) / "model_index.json").is_file():
             raise UsageError(f"--model-path {repo} is not a diffusers pipeline folder (no model_index.json): pass a "
                              f"folder saved with save_pretrained, a hub id, or random")
-        for config in (Path(repo) / "model_index.json", Path(repo) / "transformer" / "config.json"):
-            try:
-                ok = isinstance(json.loads(config.read_text()), dict)
-            except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
-                ok = False
-            if not ok:
-                raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
-                                 f"again (save_pretrained) or download it again")
+        configs = [Path(repo) / "model_index.json", Path(repo) / "transformer" / "config.json"]
     elif repo.startswith(("/", ".", "~")) or repo.count("/") != 1:
         raise UsageError(f"--model-path {repo} does not exist: pass a pipeline folder, a hub id (owner/name) or random")
     elif constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(repo, "model_index.json"), str):
         raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
                          f"with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+    for config in configs:
+        try:
+            ok = isinstance(json.loads(config.read_text()), dict)
+        except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
+            ok = False
+        if not ok:
+            raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
+                             f"again (save_pretrained) or download it again")
     check_scorer_files(names)
 
 

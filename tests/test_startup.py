@@ -39,6 +39,7 @@ STARTUP = [
     (["--seed", "1e23"], "argument --seed: invalid int value: '1e23'"),
     (["--seed", str(2**64)], f"--seed {2**64} must be at least 0 and at most {2**63 - 1}"),
     (["--model-path", "/nonexistent"], "no toy weights in /nonexistent"),
+    (["--model-path", "{tmp}/cut_short"], "cut_short/transformer/config.json is missing or not a JSON object"),
     (["--model", "sd3", "--model-path", "/nonexistent"], "--model-path /nonexistent does not exist"),
     (["--model", "flux", "--model-path", NO_PIPELINE], "is not a diffusers pipeline folder"),
     (["--model", "flux", "--model-path", "{tmp}/cut_short"],
