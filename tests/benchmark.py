@@ -194,8 +194,7 @@ def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
 # The runs are started and waited for from --jobs threads, but multiprocessing's Process is not thread-safe there:
 # every start() polls the other children, and a forkserver child's poll reads its exit status from a pipe, so two
 # threads polling one child both read, one gets the status and the other the end of the pipe, which it reports as
-# exit 255. One lock around every start and poll; a thread waits for its child's
-# end without reading.
+# exit 255. One lock around every start and poll; a thread waits for its child's end without reading.
 FORK = {"context": None, "lock": threading.Lock()}
 PRELOAD = ["torch", "numpy", "PIL.Image", "common", "diffusers.models.transformers.transformer_flux",
            "diffusers.pipelines.flux.pipeline_flux", "transformers.models.clip.modeling_clip"]
