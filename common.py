@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1067,12 +1068,51 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") ->
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device, backend, dtype = torch.device("cpu"), "gloo", torch.float32
-        if threads:
-            torch.set_num_threads(threads)
+        cpu_threads(threads)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     seed_everything(seed + rank)
     return Runtime(rank, world_size, device, dtype)
+
+
+def cpu_threads(threads: int | None = None):
+    """A CPU run's intra-op threads: `threads` (--threads), else the cores this process may use (sched_getaffinity)
+    shared among torchrun's ranks on the machine, less those other processes keep busy, measured again each second
+    (/proc/stat) as modules run. OpenMP's threads spin while they wait for each other, so one whose core another
+    process holds stalls every parallel region (the toy beside one busy process: 3x as long with 2 threads as with 1),
+    and sleeping instead wakes too slowly for the toy's many small ops (1.7x as long alone)."""
+    while _BALANCE:
+        _BALANCE.pop().remove()
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    share = threads or max(1, len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(share)
+    if not threads and share > 1 and Path("/proc/stat").is_file():
+        balance = _ThreadBalance(cpus, share)
+        balance()  # the first measurement: the next module to run, a second later, sets the threads
+        _BALANCE.append(torch.nn.modules.module.register_module_forward_pre_hook(balance))
+
+
+_BALANCE = []  # the forward hook that balances the threads, while one does
+
+
+class _ThreadBalance:
+    def __init__(self, cpus: set, share: int):
+        self.cpus, self.share, self.last, self.ticks = cpus, share, None, os.sysconf("SC_CLK_TCK")
+
+    def __call__(self, *_):
+        now = time.monotonic()
+        if self.last is not None and now - self.last[0] < 1.0:
+            return
+        busy = 0  # ticks the cores were busy since boot: user nice system (not idle, iowait) irq softirq steal
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *v = line.split()
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in self.cpus:
+                busy += sum(map(int, v[:3])) + sum(map(int, v[5:8]))
+        state = (now, busy / self.ticks, sum(os.times()[:2]))  # and this process's CPU seconds
+        if self.last is not None:
+            others = (state[1] - self.last[1] - (state[2] - self.last[2])) / (now - self.last[0])
+            torch.set_num_threads(max(1, min(self.share, int(len(self.cpus) - others + 0.5))))
+        self.last = state
 
 
 def seed_everything(seed: int):
@@ -1981,7 +2021,7 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            dcp.save(training_state(params, optimizer if stepped else None, ema), checkpoint_id=folder / "state")
+            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema), folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if sharded:  # collective: rank 0 gets the whole transformer
                     weights = get_model_state_dict(adapter.transformer,
@@ -2005,6 +2045,15 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             shutil.rmtree(folder, ignore_errors=True)
         raise TrainingStopped(f"could not write {what} ({error or 'on another rank'}); free disk space or pass another "
                               f"--output-dir and --resume the last checkpoint there")
+
+
+def single_process(save_or_load, state: dict, folder: Path):
+    """dcp.save or dcp.load of `state` in `folder`; in one process told so (no_dist), which DCP warns of anyway."""
+    one = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if one:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        return save_or_load(state, checkpoint_id=folder, no_dist=one)
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
@@ -2031,7 +2080,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
     state = training_state(params, optimizer, ema)
     try:
-        dcp.load(state, checkpoint_id=checkpoint / "state")
+        single_process(dcp.load, state, checkpoint / "state")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - it raises many kinds for damaged files
@@ -2233,7 +2282,7 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--max-sequence-length", type=int)
     ap.add_argument("--dtype", choices=list(DTYPES), default=None)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs only)")
+    ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
     with ends_process(), one_line_errors(ap.prog):
         return _evaluate_main(ap.parse_args(argv))
@@ -3072,12 +3121,12 @@ class ToyAdapter(FluxFamilyAdapter):
     lora_targets = FLUX_LORA_TARGETS
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
-        from diffusers import FluxPipeline
         self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
         self.text_encoder.requires_grad_(False)
         self.tokenizer = ToyTokenizer()
         self.device, self.dtype, self.resolution = device, dtype, TOY_SIZE
-        self.img_ids = FluxPipeline._prepare_latent_image_ids(1, TOY_SIZE // 2, TOY_SIZE // 2, device, torch.float32)
+        rows, cols = torch.meshgrid(torch.arange(TOY_SIZE // 2.0), torch.arange(TOY_SIZE // 2.0), indexing="ij")
+        self.img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).flatten(0, 1).to(device)  # (N, 3) as FLUX
         self.txt_ids = torch.zeros(self.tokenizer.max_length, 3, device=device)
 
     @torch.no_grad()
@@ -3097,8 +3146,8 @@ class ToyAdapter(FluxFamilyAdapter):
         return toy_unpack(x.float())
 
     def save_lora(self, path, state_dict):
-        from diffusers import FluxPipeline
-        FluxPipeline.save_lora_weights(path, transformer_lora_layers=state_dict)
+        from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin  # FluxPipeline warns without torchvision
+        FluxLoraLoaderMixin.save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
 # ==============================================================================================================

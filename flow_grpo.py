@@ -97,7 +97,9 @@ class Args:
     max_bad_steps: int = field(3, "stop after this many optimizer steps in a row with a NaN / inf gradient norm "
                                   "(each is skipped)", at_least=1)
     wandb: bool = field(False, "also log to Weights & Biases")
-    threads: int = field(2, "CPU threads (CPU runs only)", at_least=1, at_most=1024)
+    threads: int | None = field(None, "CPU threads (CPU runs only; default: the cores this process may use, shared "
+                                      "among torchrun's ranks, less those other processes keep busy)",
+                                at_least=1, at_most=1024)
     resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)",
                                    at_least=16, at_most=4096)
     guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none",
