@@ -104,6 +104,14 @@ def ode_step(x: torch.Tensor, v: torch.Tensor, t, s) -> torch.Tensor:
     return x.float() + (_bcast(s, x) - _bcast(t, x)) * v.float()
 
 
+@torch.no_grad()
+def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """The deterministic Euler sampler over `sigmas` with the adapter's velocity (section 2): the evaluation path."""
+    for k in range(len(sigmas) - 1):
+        x = ode_step(x, adapter.velocity(net, x, sigmas[k], cond), sigmas[k], sigmas[k + 1])
+    return x
+
+
 def sde_std(t, s, noise_level: float, t_cap: float):
     """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s), as float32 tensors.
     At t = 1 the denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point, as
@@ -211,13 +219,12 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
     """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
     random / random:N for the published architecture with random weights (Appendix B). Settings left None take
     the adapter's defaults."""
-    check_model(name, path)
     if name == "toy":
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
-        return instrument(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                                     CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device))
+        return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device)
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
@@ -226,8 +233,8 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
             "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
     settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-    return instrument(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
-                                  **{k: v for k, v in settings.items() if v is not None}))
+    return adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
+                       **{k: v for k, v in settings.items() if v is not None})
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -445,21 +452,22 @@ def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class EMA:
-    """Exponential moving average of the trainable parameters, the official GRPO trainers' schedule: after
-    optimizer step n (counting from 1), if (n + 1) is a multiple of `every`, shadow <- decay shadow + (1 - decay)
-    theta with decay = min((1 + n) / (10 + n), max_decay), a warm-up counted in optimizer steps."""
+    """Exponential moving average of the trainable parameters: after optimizer step n (counting from 1), if n + 1 is
+    a multiple of `every`, shadow <- d shadow + (1 - d) theta with d = `decay`; with `warmup`, the official GRPO
+    trainers' schedule, d = min((1 + n) / (10 + n), decay), a warm-up counted in optimizer steps. Any other soft copy,
+    a slowly moving old policy say, is EMA(params, decay, every=1, warmup=False)."""
 
-    def __init__(self, params, max_decay: float = 0.9, every: int = 8):
-        self.params, self.max_decay, self.every = list(params), max_decay, every
+    def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True):
+        self.params, self.decay, self.every, self.warmup = list(params), decay, every, warmup
         self.shadow = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
     def step(self, optimizer_step: int):
         if (optimizer_step + 1) % self.every:
             return
-        decay = min((1 + optimizer_step) / (10 + optimizer_step), self.max_decay)
+        d = min((1 + optimizer_step) / (10 + optimizer_step), self.decay) if self.warmup else self.decay
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - decay)
+            s.lerp_(p.detach(), 1 - d)
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -477,14 +485,12 @@ class EMA:
 
 
 # ==============================================================================================================
-# 3. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32;
-#    metadata: the prompts' records from the prompt file (GenEval's tags, say), or None. Then their weighted
-#    sum and its advantages.
+# 3. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32; metadata: the
+#    prompts' records from the prompt file (GenEval's tags, say), or None. Then their weighted sum and its advantages.
+#    How the scorers' weights load and their images are preprocessed: section 12.
 # ==============================================================================================================
 class ToyReward:
     """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
-
-    reads_prompt = True
 
     def __init__(self, device="cpu"):
         self.device = device
@@ -503,75 +509,16 @@ class ToySoftReward(ToyReward):
 class JpegCompressibility:
     """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
 
-    reads_prompt = False
-
     def __init__(self, device="cpu"):
         self.device = device
 
     def __call__(self, images, prompts, metadata=None):
         sizes = []
-        for im in _pil_images(images):
+        for im in pil_images(images):
             buf = io.BytesIO()
             im.save(buf, format="JPEG", quality=95)
             sizes.append(-buf.tell() / 1000)
         return torch.tensor(sizes, dtype=torch.float32, device=self.device)
-
-
-def _pil_images(images: torch.Tensor) -> list:
-    """(N,3,H,W) in [0, 1] -> N 8-bit RGB PIL images."""
-    from PIL import Image
-    return [Image.fromarray(a) for a in _to_uint8(images).permute(0, 2, 3, 1).numpy()]
-
-
-def hub_file(repo_or_folder: str, filename: str) -> str:
-    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
-    if Path(repo_or_folder).is_dir():
-        return str(Path(repo_or_folder) / filename)
-    from huggingface_hub import hf_hub_download
-    return hf_hub_download(repo_or_folder, filename)
-
-
-def check_scorer_files(names):
-    """Refuses, while HF_HUB_OFFLINE is set, a scorer of `names` whose `hub_files` ((repo, file) pairs it loads; none
-    for rule-based and remote ones) are not in the hub cache."""
-    from huggingface_hub import constants, try_to_load_from_cache
-    for name in names if constants.HF_HUB_OFFLINE else ():
-        for repo, filename in getattr(REWARDS.get(name), "hub_files", ()):
-            if not isinstance(try_to_load_from_cache(repo, filename), str):
-                raise UsageError(f"--reward {name} needs {repo} ({filename}), not in the hub cache while offline "
-                                 f"(HF_HUB_OFFLINE): download it with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
-
-
-def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
-    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
-    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
-    as transformers), normalise by image_mean / image_std."""
-    x, size, crop = images.float(), config["size"], config["crop_size"]
-    if size.get("height") is not None:
-        size = (size["height"], size["width"])
-    else:
-        s, (h, w) = size["shortest_edge"], x.shape[-2:]
-        size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
-    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
-    return normalise(x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw], config)
-
-
-def resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
-    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the
-    longer side to `size` and the other to round(side * scale), then zeros padded to size x size around the centre
-    (the odd pixel at the bottom / right)."""
-    (h, w), scale = images.shape[-2:], size / max(images.shape[-2:])
-    new = (round(h * scale), round(w * scale))
-    x = F.interpolate(images.float(), size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
-    ph, pw = size - new[0], size - new[1]
-    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
-
-
-def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
-    """(x - image_mean) / image_std per channel, from an image processor's to_dict() config."""
-    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
-    return (x - mean) / std
 
 
 CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
@@ -580,7 +527,6 @@ CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large
 class _CLIPSimilarity:
     """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
 
-    reads_prompt = True  # --preflight checks that the right prompts score higher
     divisor = 1.0
 
     def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
@@ -619,7 +565,6 @@ class PickScore(_CLIPSimilarity):
     (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
 
     divisor = 26.0
-    hub_files = (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json"))
 
     def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
         super().__init__(model_id, processor_id, device, dtype)
@@ -629,75 +574,19 @@ class CLIPScore(_CLIPSimilarity):
     """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
 
     divisor = 30.0
-    hub_files = ((CLIP_L, "config.json"),)
 
     def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
         super().__init__(model_id, None, device, dtype)
 
 
-# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
-# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
-_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
-                 "visual.class_embedding": "vision_model.embeddings.class_embedding",
-                 "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
-                 "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
-                 "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
-                 "logit_scale": "logit_scale"}
-
-
-_OPENCLIP_TOP |= {f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
-                                                       ("visual.ln_post", "vision_model.post_layernorm"),
-                                                       ("ln_final", "text_model.final_layer_norm")]
-                  for p in ("weight", "bias")}
-
-
-_OPENCLIP_BLOCK = {f"{a}.{p}": f"{b}.{p}" for a, b in [("ln_1", "layer_norm1"), ("attn.out_proj", "self_attn.out_proj"),
-                                                        ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
-                                                        ("mlp.c_proj", "mlp.fc2")] for p in ("weight", "bias")}
-
-
-_OPENCLIP_BLOCK |= {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_proj_bias": "self_attn.{}_proj.bias"}
-
-
-def openclip_to_clip(state_dict: dict) -> dict:
-    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
-    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped.
-    A key that maps to no weight, or a missing one (every block up to the highest index must be complete), raises
-    a ValueError naming it: no weight is dropped or left at random."""
-    out, names, layers = {}, set(), {"visual.": set(), "": set()}
-    for key, value in state_dict.items():
-        name = key.removeprefix("module.")
-        tower, _, rest = name.partition("transformer.resblocks.")
-        index, _, inner = rest.partition(".")
-        if name in names:
-            raise ValueError(f"open_clip state dict: key {key!r} appears twice (with and without `module.`)")
-        names.add(name)
-        if name in _OPENCLIP_TOP:
-            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
-        elif tower in layers and index.isdigit() and inner in _OPENCLIP_BLOCK:
-            layers[tower].add(int(index))
-            target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
-            for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
-                out[target.format(part)] = chunk
-        else:
-            raise ValueError(f"open_clip state dict: unexpected key {key!r}, which no CLIPModel weight matches")
-    expected = set(_OPENCLIP_TOP) | {f"{tower}transformer.resblocks.{i}.{inner}" for tower, found in layers.items()
-                                     for i in range(max(found, default=-1) + 1) for inner in _OPENCLIP_BLOCK}
-    if missing := sorted(expected - names):
-        raise ValueError(f"open_clip state dict: missing key {missing[0]!r} ({len(missing)} missing in all)")
-    return out
-
-
 class HPSv2(_CLIPSimilarity):
     """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
-    scale (typical values 0.2-0.35). Its open_clip checkpoint is mapped into transformers' CLIPModel, since
-    open_clip_torch needs torchvision; config, tokenizer and image processor are CLIP-H's (processor_id). The
-    preprocessing is the hpsv2 package's: the longer side resized to 224, black padding to a square, normalised
-    (resize_max_size). The package resizes the 8-bit PIL image (PIL bicubic); here the float images are resized."""
+    scale (typical values 0.2-0.35). Its open_clip checkpoint runs as a transformers CLIPModel (openclip_model: the
+    open_clip package needs torchvision) with CLIP-H's config, tokenizer and image statistics (processor_id). The
+    images are preprocessed as the hpsv2 package does: the longer side resized to 224, black padding to a square,
+    normalised (resize_max_size; the package resizes the 8-bit PIL image, here the float images are resized)."""
 
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
-    hub_files = (("xswu/HPSv2", "HPS_v2.1_compressed.pt"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
                  processor_id=CLIP_H, device="cpu", dtype=torch.float32):
@@ -705,27 +594,7 @@ class HPSv2(_CLIPSimilarity):
         super().__init__(model_id, processor_id, device, dtype)
 
     def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
-        from transformers import CLIPConfig, CLIPModel
-        path = hub_file(model_id, self.filename)
-        # open_clip tensors, bare or (HPS) as {"state_dict": ...}: weights_only runs no pickled code
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        weights = openclip_to_clip(state.get("state_dict", state))
-        config = CLIPConfig.from_pretrained(processor_id)
-        if self.quick_gelu:
-            config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
-        with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
-            model = CLIPModel(config)
-        expected = set(model.state_dict())
-        if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
-            raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
-                             f"architecture of {processor_id} ({len(wrong)} keys differ)")
-        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-        for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
-            emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
-        if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
-            raise RuntimeError(f"{type(self).__name__}: {meta[0]!r} was not loaded (this transformers' CLIPModel has "
-                               f"a new tensor)")
-        return model
+        return openclip_model(hub_file(model_id, self.filename), processor_id, self.quick_gelu, dtype)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         return normalise(resize_max_size(images, self.image_config["crop_size"]["height"]), self.image_config)
@@ -743,7 +612,6 @@ class CLIPScoreH(HPSv2):
 
     quick_gelu = True
     preprocess = _CLIPSimilarity.preprocess
-    hub_files = (("apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin"), (CLIP_H, "config.json"))
 
     def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
                  processor_id=CLIP_H, device="cpu", dtype=torch.float32):
@@ -756,21 +624,12 @@ class Aesthetic:
     """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
     on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
-    reads_prompt = False
-    hub_files = (("camenduru/improved-aesthetic-predictor", "sac+logos+ava1-l14-linearMSE.pth"),
-                 (CLIP_L, "config.json"))
-
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id=CLIP_L, device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
         self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
         self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
-        sizes = [self.clip.config.projection_dim, 1024, 128, 64, 16, 1]
-        self.head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
-        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
-        # the published head is Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear, Linear)
-        index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
-        self.head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
+        self.head = aesthetic_head(hub_file(model_id, filename), self.clip.config.projection_dim)
         self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
         self.device, self.dtype = torch.device(device), dtype
 
@@ -809,12 +668,7 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 class OCRScore:
     """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
     holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
-    official PaddleOCR; its processor gets 8-bit pixels through the PIL backend, the same preprocessing with or
-    without torchvision. Decoding is greedy and batched, up to max_new_tokens or <|im_end|> / <|endoftext|>, passed
-    explicitly: the checkpoint's generation config sets no end token."""
-
-    reads_prompt = True
-    hub_files = (("stepfun-ai/GOT-OCR-2.0-hf", "config.json"),)
+    official PaddleOCR, reading greedily up to max_new_tokens (got_ocr_read)."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -822,24 +676,12 @@ class OCRScore:
         self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
         self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
         self.model = self.model.eval().requires_grad_(False).to(device)
-        self.device, self.dtype, self.max_new_tokens = torch.device(device), dtype, max_new_tokens
-        tok = self.processor.tokenizer
-        self.stop_ids = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-                         if i is not None and i != tok.unk_token_id]
-        self.pad_id = self.stop_ids[0] if tok.pad_token_id is None else tok.pad_token_id
-        vision = self.model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid
-        self.num_image_tokens = (-(-(vision.image_size // vision.patch_size) // 4)) ** 2  # 256 for GOT-OCR 2.0
-        self.last_texts: list[str] = []
+        self.device, self.max_new_tokens, self.last_texts = torch.device(device), max_new_tokens, []
 
     @torch.no_grad()
     def recognise(self, images: torch.Tensor) -> list[str]:
         """The text read in each image (N,3,H,W) in [0, 1]."""
-        inputs = self.processor(_pil_images(images), num_image_tokens=self.num_image_tokens,
-                                return_tensors="pt").to(self.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
-        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return got_ocr_read(self.processor, self.model, images, self.max_new_tokens)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
@@ -853,8 +695,6 @@ class ImageRewardScore:
     the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
     served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
 
-    reads_prompt = True
-
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
             import ImageReward
@@ -866,7 +706,7 @@ class ImageRewardScore:
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None):
-        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, _pil_images(images))]
+        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, pil_images(images))]
         return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
 
@@ -910,9 +750,8 @@ REWARD_NORMS = ("sum", "per-reward")
 
 class WeightedReward:
     """Several scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). __call__ returns
-    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores. Under torchrun
-    every rank scores the same number of batches, so each call also tells every rank whether a scorer failed on
-    any of them: then all stop with the same line (TrainingStopped), none hangs waiting."""
+    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores; a scorer that fails
+    on any rank stops every rank with the same line (stop_together)."""
 
     def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
@@ -926,20 +765,10 @@ class WeightedReward:
         """Scores images against prompts (and their records, `metadata`), `batch_size` images per scorer call."""
         self.calls += len(images)
         step = batch_size or max(len(images), 1)
-        error, chunks = None, []
-        try:
-            for i in range(0, len(images), step):
-                meta = None if metadata is None else metadata[i:i + step]
-                chunks.append({name: fn(images[i:i + step], prompts[i:i + step], meta).float().to(self.device)
-                               for name, _, fn in self.terms})
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
-            error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
-        if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
-        if error:
-            raise TrainingStopped(f"the reward failed {error}", save_state=True)  # the weights are intact
+        with stop_together("the reward failed"):  # the weights are intact
+            chunks = [{name: fn(images[i:i + step], prompts[i:i + step], None if metadata is None else
+                                metadata[i:i + step]).float().to(self.device) for name, _, fn in self.terms}
+                      for i in range(0, len(images), step)]
         parts = {name: torch.cat([c[name] for c in chunks]) for name in self.weights}
         return self.total(parts), parts
 
@@ -974,54 +803,18 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # 4. Prompts
 # ==============================================================================================================
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) lists of records {"prompt": str, ...metadata} from a UTF-8 text file (one prompt a line; a
-    byte-order mark is skipped) or a .jsonl file, in any case (one object a line: "prompt", optional "split":
-    "train"/"eval"; without splits every 10th record is held out). Without a path: the toy's held-out pairs
-    (train and eval) for the toy model, else assets/prompts.txt. A bad file raises a UsageError naming the file
-    and line."""
-    if path is None:
-        if model == "toy":
-            recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
-            return recs, recs
-        path = str(ASSETS / "prompts.txt")
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
-                         f".jsonl (objects with a 'prompt' key) file")
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                         f"{e.start}): save it as UTF-8") from None
-    recs = []
-    for n, ln in enumerate(text.splitlines(), 1):
-        if not ln.strip():
-            continue
-        rec = {"prompt": ln.strip()}
-        if p.suffix.lower() == ".jsonl":
-            try:
-                rec = json.loads(ln)
-            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-                rec = None
-            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
-                raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
-            if rec.get("split", "train") not in ("train", "eval"):
-                raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
-        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
-            raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
-                             f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
-        recs.append(rec)
-    if not recs:
-        raise UsageError(f"prompt file {path!r} holds no prompts")
+    """(train, eval) lists of records {"prompt": str, ...metadata} from a .txt file (one prompt a line) or a .jsonl
+    file (one object a line: "prompt", optional "split": "train" / "eval"), read by read_prompt_file; without splits
+    every 10th record is held out. Without a path: the toy's held-out pairs (train and eval) for the toy model, else
+    assets/prompts.txt."""
+    if path is None and model == "toy":
+        recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
+        return recs, recs
+    recs = read_prompt_file(path or str(ASSETS / "prompts.txt"), model)
     if any("split" in r for r in recs):
-        train = [r for r in recs if r.get("split", "train") == "train"]
-        evals = [r for r in recs if r.get("split") == "eval"]
-        if not train:
-            raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records "
-                             f"without a split train too)")
+        train, evals = ([r for r in recs if r.get("split", "train") == split] for split in ("train", "eval"))
     else:
-        evals = recs[::10]
-        train = [r for i, r in enumerate(recs) if i % 10] or recs
+        train, evals = [r for i, r in enumerate(recs) if i % 10] or recs, recs[::10]
     return train, evals or train[:1]
 
 
@@ -1082,35 +875,40 @@ def cpu_threads(threads: int | None = None):
     process holds stalls every parallel region (the toy beside one busy process: 3x as long with 2 threads as with 1),
     and sleeping instead wakes too slowly for the toy's many small ops (1.7x as long alone)."""
     while _BALANCE:
-        _BALANCE.pop().remove()
+        _BALANCE.pop().hook.remove()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     share = threads or max(1, len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(share)
     if not threads and share > 1 and Path("/proc/stat").is_file():
         balance = _ThreadBalance(cpus, share)
         balance()  # the first measurement: the next module to run, a second later, sets the threads
-        _BALANCE.append(torch.nn.modules.module.register_module_forward_pre_hook(balance))
+        balance.hook = torch.nn.modules.module.register_module_forward_pre_hook(balance)
+        _BALANCE.append(balance)
 
 
-_BALANCE = []  # the forward hook that balances the threads, while one does
+_BALANCE = []  # the _ThreadBalance whose forward hook sets the threads, while one does
 
 
 class _ThreadBalance:
     def __init__(self, cpus: set, share: int):
-        self.cpus, self.share, self.last, self.ticks = cpus, share, None, os.sysconf("SC_CLK_TCK")
+        self.cpus, self.share, self.last = cpus, share, None
+
+    def busy(self) -> float:
+        """Seconds the allowed cores have been busy since boot, less this process's CPU seconds: other processes'."""
+        ticks = 0  # /proc/stat: user nice system (idle iowait) irq softirq steal
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *v = line.split()
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in self.cpus:
+                ticks += sum(map(int, v[:3])) + sum(map(int, v[5:8]))
+        return ticks / os.sysconf("SC_CLK_TCK") - sum(os.times()[:2])
 
     def __call__(self, *_):
         now = time.monotonic()
         if self.last is not None and now - self.last[0] < 1.0:
             return
-        busy = 0  # ticks the cores were busy since boot: user nice system (not idle, iowait) irq softirq steal
-        for line in Path("/proc/stat").read_text().splitlines():
-            name, *v = line.split()
-            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in self.cpus:
-                busy += sum(map(int, v[:3])) + sum(map(int, v[5:8]))
-        state = (now, busy / self.ticks, sum(os.times()[:2]))  # and this process's CPU seconds
+        state = (now, self.busy())
         if self.last is not None:
-            others = (state[1] - self.last[1] - (state[2] - self.last[2])) / (now - self.last[0])
+            others = (state[1] - self.last[1]) / (now - self.last[0])  # cores kept busy by other processes
             torch.set_num_threads(max(1, min(self.share, int(len(self.cpus) - others + 0.5))))
         self.last = state
 
@@ -1352,6 +1150,23 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@contextlib.contextmanager
+def stop_together(what: str):
+    """A block every rank runs (as many calls of it on each): an exception in it on any rank stops every rank with the
+    same line, TrainingStopped(f"{what} on rank R: ..."), the weights intact (save_state), none left waiting."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then all stop
+        error = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((f"on rank {r}: {m}" for r, m in enumerate(errors) if m), None)
+    if error:
+        raise TrainingStopped(f"{what} {error}", save_state=True)
+
+
 def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     """(2 n,) float64: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
     local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
@@ -1453,11 +1268,10 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 
 class UpdateStats:
-    """An update's statistics: `add` keeps each backward's 0-d tensors on the device; `stepped` fetches them once per
-    optimizer step (one host sync, not one per .item()). `metrics`: each key's mean over backward passes, grad_norm's
-    over optimizer steps; ratio_dev_max, the update's largest |rho - 1|; ratio_dev_first_update and kl_first_update,
-    their largest in the first step (exactly on-policy: both 0, the KL at a fresh start); ratio_dev_second_update and
-    approx_kl_second_update, the second step's largest |rho - 1| and mean approx_kl (after one step: its size)."""
+    """An update's statistics, under whatever keys the trainer gives: `add` keeps each backward's 0-d tensors on the
+    device, `stepped` fetches them once per optimizer step (one host sync, not one per .item()). metrics(): each key's
+    mean over the backward passes and grad_norm's over the optimizer steps; max / mean: one key's over the update, or
+    over its optimizer step `step` (0 the first)."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1466,23 +1280,23 @@ class UpdateStats:
         self.pending.append(values)
 
     def stepped(self, grad_norm: float):
-        names = list(self.pending[0])
         rows = torch.stack([torch.stack([v.detach().float() for v in d.values()]) for d in self.pending]).tolist()
-        self.steps.append([dict(zip(names, row)) for row in rows])
+        self.steps.append([dict(zip(self.pending[0], row)) for row in rows])
         self.pending = []
         self.grad_norms.append(grad_norm)
 
+    def values(self, key: str, step: int | None = None) -> list[float]:
+        return [d[key] for d in (self.steps[step] if step is not None else itertools.chain(*self.steps))]
+
+    def max(self, key: str, step: int | None = None) -> float:
+        return max(self.values(key, step))
+
+    def mean(self, key: str, step: int | None = None) -> float:
+        values = self.values(key, step)
+        return sum(values) / len(values)
+
     def metrics(self) -> dict:
-        flat = [d for step in self.steps for d in step]
-        out = {k: sum(d[k] for d in flat) / len(flat) for k in flat[0]}
-        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
-        out["ratio_dev_max"] = max(d["ratio_dev"] for d in flat)
-        out["ratio_dev_first_update"] = max(d["ratio_dev"] for d in self.steps[0])
-        out["kl_first_update"] = max(d["kl"] for d in self.steps[0])
-        if len(self.steps) > 1:
-            out["ratio_dev_second_update"] = max(d["ratio_dev"] for d in self.steps[1])
-            out["approx_kl_second_update"] = sum(d["approx_kl"] for d in self.steps[1]) / len(self.steps[1])
-        return out
+        return {**{k: self.mean(k) for k in self.steps[0][0]}, "grad_norm": sum(self.grad_norms) / len(self.grad_norms)}
 
 
 class TrainingLoop:
@@ -2193,14 +2007,6 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
 # ==============================================================================================================
 # 9. Evaluation, also from the command line (`python common.py evaluate`)
 # ==============================================================================================================
-@torch.no_grad()
-def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Deterministic Euler sampler over `sigmas` (noise level 0): the evaluation path."""
-    for k in range(len(sigmas) - 1):
-        x = ode_step(x, adapter.velocity(net, x, sigmas[k], cond), sigmas[k], sigmas[k + 1])
-    return x
-
-
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
@@ -2928,6 +2734,219 @@ def serve_reward(argv=None):
 
 
 # ==============================================================================================================
+# 12. Scorers' and prompts' files: hub files, weight mappings, the rebuilt preprocessing, the prompt file's checks
+# ==============================================================================================================
+def hub_file(repo_or_folder: str, filename: str) -> str:
+    """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
+    if Path(repo_or_folder).is_dir():
+        return str(Path(repo_or_folder) / filename)
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(repo_or_folder, filename)
+
+
+# The (repository, file) pairs a scorer class loads, checked in the hub cache while offline (check_scorer_files).
+SCORER_FILES = {PickScore: (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json")),
+                CLIPScore: ((CLIP_L, "config.json"),), HPSv2: (("xswu/HPSv2", "HPS_v2.1_compressed.pt"),
+                                                              (CLIP_H, "config.json")),
+                CLIPScoreH: (("apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin"), (CLIP_H, "config.json")),
+                Aesthetic: (("camenduru/improved-aesthetic-predictor", "sac+logos+ava1-l14-linearMSE.pth"),
+                            (CLIP_L, "config.json")), OCRScore: (("stepfun-ai/GOT-OCR-2.0-hf", "config.json"),)}
+
+
+def check_scorer_files(names):
+    """Refuses, while HF_HUB_OFFLINE is set, a scorer of `names` whose SCORER_FILES are not in the hub cache."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    for name in names if constants.HF_HUB_OFFLINE else ():
+        for repo, filename in SCORER_FILES.get(REWARDS.get(name), ()):
+            if not isinstance(try_to_load_from_cache(repo, filename), str):
+                raise UsageError(f"--reward {name} needs {repo} ({filename}), not in the hub cache while offline "
+                                 f"(HF_HUB_OFFLINE): download it with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
+
+
+def pil_images(images: torch.Tensor) -> list:
+    """(N,3,H,W) in [0, 1] -> N 8-bit RGB PIL images."""
+    from PIL import Image
+    return [Image.fromarray(a) for a in _to_uint8(images).permute(0, 2, 3, 1).numpy()]
+
+
+def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
+    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
+    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
+    as transformers), normalise by image_mean / image_std."""
+    x, size, crop = images.float(), config["size"], config["crop_size"]
+    if size.get("height") is not None:
+        size = (size["height"], size["width"])
+    else:
+        s, (h, w) = size["shortest_edge"], x.shape[-2:]
+        size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
+    x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    (ch, cw), (h, w) = (crop["height"], crop["width"]), x.shape[-2:]
+    return normalise(x[..., (h - ch) // 2:(h - ch) // 2 + ch, (w - cw) // 2:(w - cw) // 2 + cw], config)
+
+
+def resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
+    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the
+    longer side to `size` and the other to round(side * scale), then zeros padded to size x size around the centre
+    (the odd pixel at the bottom / right)."""
+    (h, w), scale = images.shape[-2:], size / max(images.shape[-2:])
+    new = (round(h * scale), round(w * scale))
+    x = F.interpolate(images.float(), size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+    ph, pw = size - new[0], size - new[1]
+    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+
+
+def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
+    """(x - image_mean) / image_std per channel, from an image processor's to_dict() config."""
+    mean, std = (torch.tensor(config[k], device=x.device).view(1, -1, 1, 1) for k in ("image_mean", "image_std"))
+    return (x - mean) / std
+
+
+# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
+# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
+_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+                 "visual.class_embedding": "vision_model.embeddings.class_embedding",
+                 "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+                 "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
+                 "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
+                 "logit_scale": "logit_scale"}
+
+
+_OPENCLIP_TOP |= {f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
+                                                       ("visual.ln_post", "vision_model.post_layernorm"),
+                                                       ("ln_final", "text_model.final_layer_norm")]
+                  for p in ("weight", "bias")}
+
+
+_OPENCLIP_BLOCK = {f"{a}.{p}": f"{b}.{p}" for a, b in [("ln_1", "layer_norm1"), ("attn.out_proj", "self_attn.out_proj"),
+                                                        ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"),
+                                                        ("mlp.c_proj", "mlp.fc2")] for p in ("weight", "bias")}
+
+
+_OPENCLIP_BLOCK |= {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_proj_bias": "self_attn.{}_proj.bias"}
+
+
+def openclip_to_clip(state_dict: dict) -> dict:
+    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
+    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped.
+    A key that maps to no weight, or a missing one (every block up to the highest index must be complete), raises
+    a ValueError naming it: no weight is dropped or left at random."""
+    out, names, layers = {}, set(), {"visual.": set(), "": set()}
+    for key, value in state_dict.items():
+        name = key.removeprefix("module.")
+        tower, _, rest = name.partition("transformer.resblocks.")
+        index, _, inner = rest.partition(".")
+        if name in names:
+            raise ValueError(f"open_clip state dict: key {key!r} appears twice (with and without `module.`)")
+        names.add(name)
+        if name in _OPENCLIP_TOP:
+            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
+        elif tower in layers and index.isdigit() and inner in _OPENCLIP_BLOCK:
+            layers[tower].add(int(index))
+            target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
+            for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
+                out[target.format(part)] = chunk
+        else:
+            raise ValueError(f"open_clip state dict: unexpected key {key!r}, which no CLIPModel weight matches")
+    expected = set(_OPENCLIP_TOP) | {f"{tower}transformer.resblocks.{i}.{inner}" for tower, found in layers.items()
+                                     for i in range(max(found, default=-1) + 1) for inner in _OPENCLIP_BLOCK}
+    if missing := sorted(expected - names):
+        raise ValueError(f"open_clip state dict: missing key {missing[0]!r} ({len(missing)} missing in all)")
+    return out
+
+
+def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
+    """The open_clip checkpoint at `path` (bare tensors, or {"state_dict": ...} as HPS saves them; weights_only runs
+    no pickled code) as a transformers CLIPModel of `config_id`'s architecture (QuickGELU if `quick_gelu`). Every
+    weight must come from the checkpoint: a missing or extra one is a ValueError naming it."""
+    from transformers import CLIPConfig, CLIPModel
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    weights = openclip_to_clip(state.get("state_dict", state))
+    config = CLIPConfig.from_pretrained(config_id)
+    if quick_gelu:
+        config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
+    with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
+        model = CLIPModel(config)
+    expected = set(model.state_dict())
+    if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
+        raise ValueError(f"{path}: CLIPModel key {wrong[0]!r} is missing from the checkpoint or not in the "
+                         f"architecture of {config_id} ({len(wrong)} keys differ)")
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+    for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
+        emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
+    if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise RuntimeError(f"openclip_model: {meta[0]!r} was not loaded (this transformers' CLIPModel has a new "
+                           f"tensor)")
+    return model
+
+
+def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
+    """The aesthetic predictor's head, published as Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout,
+    Linear, Linear), without its dropouts: dim -> 1024 -> 128 -> 64 -> 16 -> 1."""
+    sizes = [dim, 1024, 128, 64, 16, 1]
+    head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+    index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
+    return head
+
+
+def got_ocr_read(processor, model, images: torch.Tensor, max_new_tokens: int) -> list[str]:
+    """GOT-OCR 2.0's greedy, batched read of images (N,3,H,W) in [0, 1] (8-bit pixels through the PIL backend, the
+    same with or without torchvision), up to max_new_tokens or <|im_end|> / <|endoftext|>, passed explicitly: the
+    checkpoint's generation config sets no end token."""
+    tok = processor.tokenizer
+    stop = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+            if i is not None and i != tok.unk_token_id]
+    vision = model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid: 256
+    inputs = processor(pil_images(images), num_image_tokens=(-(-(vision.image_size // vision.patch_size) // 4)) ** 2,
+                       return_tensors="pt").to(model.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop,
+                         pad_token_id=stop[0] if tok.pad_token_id is None else tok.pad_token_id)
+    return processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def read_prompt_file(path: str, model: str) -> list[dict]:
+    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, load_prompts), or
+    a UsageError naming the file and line: missing, not UTF-8, a .jsonl line without a non-empty string "prompt" or
+    with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
+                         f".jsonl (objects with a 'prompt' key) file")
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}): save it as UTF-8") from None
+    recs = []
+    for n, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip():
+            continue
+        rec = {"prompt": ln.strip()}
+        if p.suffix.lower() == ".jsonl":
+            try:
+                rec = json.loads(ln)
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
+                rec = None
+            if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
+                raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
+            if rec.get("split", "train") not in ("train", "eval"):
+                raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
+        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
+            raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
+                             f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
+        recs.append(rec)
+    if not recs:
+        raise UsageError(f"prompt file {path!r} holds no prompts")
+    if any("split" in r for r in recs) and not any(r.get("split", "train") == "train" for r in recs):
+        raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records without "
+                         f"a split train too)")
+    return recs
+
+
+# ==============================================================================================================
 # Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit
 # ==============================================================================================================
 TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.25, 1.0),
@@ -3094,25 +3113,6 @@ def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
     """Inverse of toy_pack, back to [0, 1] (clamped)."""
     x = rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2)
     return ((x + 1) / 2).clamp(0, 1)
-
-
-def build_toy_modules(seed: int = 0):
-    """The toy networks at their shipped sizes, random weights: a FluxTransformer2DModel (2 double + 2 single blocks,
-    width 64) on 2x2-packed pixels and a 2-layer CLIPTextModel."""
-    from diffusers import FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    tok = ToyTokenizer()
-    torch.manual_seed(seed)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok.vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=tok.max_length, projection_dim=64,
-        pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=12, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False,
-        axes_dims_rope=(4, 6, 6))
-    return transformer, text_encoder
 
 
 class ToyAdapter(FluxFamilyAdapter):

@@ -299,6 +299,7 @@ def main(args: Args) -> dict:
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
+    common.instrument(adapter)                               # the work counters every iteration logs (nfe_fwd, ...)
     transformer = adapter.transformer
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
@@ -417,6 +418,7 @@ def main(args: Args) -> dict:
         transformer.train()
         stats = common.UpdateStats()
         for k in range(n_sde):
+            n_step = it * n_sde + k + 1                      # this optimizer step's number in the run, from 1
             for rows in chunks:
                 P = rows.stop - rows.start
                 c, z, A = common.cond_select(cond, rows), anchor[rows, k], advantages[rows, k]  # z_k: (P, ...)
@@ -434,27 +436,40 @@ def main(args: Args) -> dict:
                 stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
                           clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                           approx_kl=0.5 * ((lp - log_probs[rows, k]) ** 2).mean())
+            # >>> shared: step
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
-                ema.step(it * n_sde + k + 1)
+                ema.step(n_step)
+            # <<< shared: step
         t_update = time.time() - tic
 
         # ---- 3d. Metrics ----
         zero_std = torch.stack([(r.std(2) < 1e-6).float().mean() for r in parts.values()]).mean()
-        metrics.update(stats.metrics())
+        # >>> shared: log
+        metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
             **reward_fn.means(parts),
+            "zero_std_frac": common.all_reduce_mean(zero_std).item(),
+            "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
+            **common.work_done(adapter, reward_fn, work_before, guard),
+        })
+        # <<< shared: log
+        # >>> shared: ratio-log
+        metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
+                       kl_first_update=stats.max("kl", step=0))  # the first optimizer step is exactly on-policy
+        if len(stats.steps) > 1:                             # its micro-batches scored after one step: that step's size
+            metrics.update(ratio_dev_second_update=stats.max("ratio_dev", step=1),
+                           approx_kl_second_update=stats.mean("approx_kl", step=1))
+        # <<< shared: ratio-log
+        metrics.update({
             **{f"reward_stride{s}": common.all_reduce_mean(rewards[..., l].mean()).item()
                for l, s in enumerate(strides)},
             "anchor_reward": common.all_reduce_mean(anchor_rewards.float().mean().to(rt.device)).item(),
-            "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "adv_abs_mean": advantages.abs().mean().item(),
             "adv_clamp_frac": (advantages.abs() >= args.adv_clip).float().mean().item(),
-            "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before, guard),
             "nfe_anchor": nfe_anchor, "nfe_continuation": nfe_continuation,
         })
 

@@ -304,6 +304,7 @@ def main(args: Args) -> dict:
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
+    common.instrument(adapter)                               # the work counters every iteration logs (nfe_fwd, ...)
     transformer = adapter.transformer
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
@@ -421,6 +422,7 @@ def main(args: Args) -> dict:
         order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
         stats = common.UpdateStats()
         for u in range(args.updates_per_rollout):
+            n_step = it * args.updates_per_rollout + u + 1     # this optimizer step's number in the run, from 1
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for m in chunk:
                 idx = slice(m * mb, (m + 1) * mb)
@@ -440,28 +442,41 @@ def main(args: Args) -> dict:
                     stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
                               clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                               approx_kl=0.5 * ((lp - log_probs[idx, j]) ** 2).mean())
+            # >>> shared: step
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
-                ema.step(it * args.updates_per_rollout + u + 1)
+                ema.step(n_step)
+            # <<< shared: step
         t_update = time.time() - tic
         # <<< shared: update
 
         # ---- 3d. Metrics ----
         zero_std = (grouped.std(1) < 1e-6).float().mean()
-        metrics.update(stats.metrics())
-        if sizes and rewards.std() > 0 and proxy.std() > 0:  # does the last preview predict the final reward?
-            diag["preview_corr"] = torch.corrcoef(torch.stack([proxy, rewards.cpu()]))[0, 1].item()
-        metrics.update(diag)
+        # >>> shared: log
+        metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
             **reward_fn.means(parts),
-            "group_std_trained": group_std(rewards, K),       # the clustering diagnostic OVF raises
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
-            "t_rollout": t_rollout, "t_preview": t_preview, "t_reward": t_reward, "t_update": t_update,
+            "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
             **common.work_done(adapter, reward_fn, work_before, guard),
-            "nfe_sample": nfe_sample,
+        })
+        # <<< shared: log
+        # >>> shared: ratio-log
+        metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
+                       kl_first_update=stats.max("kl", step=0))  # the first optimizer step is exactly on-policy
+        if len(stats.steps) > 1:                             # its micro-batches scored after one step: that step's size
+            metrics.update(ratio_dev_second_update=stats.max("ratio_dev", step=1),
+                           approx_kl_second_update=stats.mean("approx_kl", step=1))
+        # <<< shared: ratio-log
+        if sizes and rewards.std() > 0 and proxy.std() > 0:  # does the last preview predict the final reward?
+            diag["preview_corr"] = torch.corrcoef(torch.stack([proxy, rewards.cpu()]))[0, 1].item()
+        metrics.update(diag)
+        metrics.update({
+            "group_std_trained": group_std(rewards, K),       # the clustering diagnostic OVF raises
+            "t_preview": t_preview, "nfe_sample": nfe_sample,
             "flops_vs_flow_grpo": (nfe_sample + train_cost * N * T_train) / baseline_cost,
         })
 

@@ -329,6 +329,7 @@ def main(args: Args) -> dict:
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
+    common.instrument(adapter)                               # the work counters every iteration logs (nfe_fwd, ...)
     transformer = adapter.transformer
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     if args.gradient_checkpointing:
@@ -412,6 +413,7 @@ def main(args: Args) -> dict:
         order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
         stats = common.UpdateStats()
         for u in range(args.updates_per_rollout):
+            n_step = it * args.updates_per_rollout + u + 1     # this optimizer step's number in the run, from 1
             chunk = order[u * per_update:(u + 1) * per_update].tolist()
             for m in chunk:
                 idx = slice(m * mb, (m + 1) * mb)
@@ -426,31 +428,44 @@ def main(args: Args) -> dict:
                 stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
                           clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                           approx_kl=0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(), surrogate=surrogate.mean())
+            # >>> shared: step
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
-                ema.step(it * args.updates_per_rollout + u + 1)
+                ema.step(n_step)
+            # <<< shared: step
         t_update = time.time() - tic
 
         # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
-        metrics.update(stats.metrics())
-        work = common.work_done(adapter, reward_fn, work_before, guard)
-        L_old = rearrange(surrogate_old, "(b g) -> b g", g=G)
+        # >>> shared: log
+        metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
             "reward_std": rewards.std().item(),
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
+            "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
+            **common.work_done(adapter, reward_fn, work_before, guard),
+        })
+        # <<< shared: log
+        # >>> shared: ratio-log
+        metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
+                       kl_first_update=stats.max("kl", step=0))  # the first optimizer step is exactly on-policy
+        if len(stats.steps) > 1:                             # its micro-batches scored after one step: that step's size
+            metrics.update(ratio_dev_second_update=stats.max("ratio_dev", step=1),
+                           approx_kl_second_update=stats.mean("approx_kl", step=1))
+        # <<< shared: ratio-log
+        L_old = rearrange(surrogate_old, "(b g) -> b g", g=G)
+        metrics.update({
             "adv_abs_max": advantages.abs().max().item(),
             # the paper's variance diagnostics: spread of L(theta_old) over the batch and within groups
             "surrogate_old": surrogate_old.mean().item(),
             "surrogate_cv": (surrogate_old.std() / surrogate_old.mean()).item(),
             "surrogate_group_cv": (L_old.std(1) / L_old.mean(1)).mean().item(),
-            "t_rollout": t_rollout, "t_surrogate_old": t_surrogate_old, "t_reward": t_reward, "t_update": t_update,
-            **work,
+            "t_surrogate_old": t_surrogate_old,
             # the paper's NFE accounting per sample: NFE_old = T + N_MC, NFE_theta = N_MC (CFG rows count twice)
-            "nfe_old_per_sample": work["nfe_fwd"] / N, "nfe_theta_per_sample": work["nfe_fwd_bwd"] / N,
+            "nfe_old_per_sample": metrics["nfe_fwd"] / N, "nfe_theta_per_sample": metrics["nfe_fwd_bwd"] / N,
         })
 
         # >>> shared: loop-end

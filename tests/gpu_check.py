@@ -134,7 +134,6 @@ def random_pickscore():
     import common
 
     class RandomPickScore(common.PickScore):
-        hub_files = ()  # built in code, nothing downloaded
 
         def __init__(self, device="cpu"):  # builds instead of downloading (no super().__init__)
             self.device, self.dtype, self.max_length = torch.device(device), torch.float32, 77

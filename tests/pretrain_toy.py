@@ -19,6 +19,25 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 
+def build_toy_modules(seed: int = 0):
+    """The toy networks at their shipped sizes, random weights: a FluxTransformer2DModel (2 double + 2 single blocks,
+    width 64) on 2x2-packed pixels and a 2-layer CLIPTextModel."""
+    from diffusers import FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tok = common.ToyTokenizer()
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tok.vocab), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=tok.max_length, projection_dim=64,
+        pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=12, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6))
+    return transformer, text_encoder
+
+
 @torch.no_grad()
 def toy_quick_eval(adapter, net, pairs, per_pair: int = 12, steps: int = 20, seed: int = 1234) -> tuple:
     """(mean reward, strict accuracy) of `per_pair` ODE samples of each (colour, shape) pair."""
@@ -45,10 +64,10 @@ def pretrain_toy(argv=None):
     torch.set_num_threads(a.threads)
     common.seed_everything(a.seed)
     from tqdm import tqdm
-    transformer, text_encoder = common.build_toy_modules(a.seed)
+    transformer, text_encoder = build_toy_modules(a.seed)
     adapter = common.ToyAdapter(transformer, text_encoder, torch.device("cpu"))  # freezes the text encoder
     params = list(transformer.parameters())
-    ema = common.EMA(params, max_decay=a.ema, every=1)  # decay warmed up, so the random init washes out
+    ema = common.EMA(params, decay=a.ema, every=1)  # decay warmed up, so the random init washes out
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
     warmup_cosine = lambda s: min(1, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / a.steps))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)

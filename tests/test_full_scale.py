@@ -206,7 +206,7 @@ def test_loss_scaling_steps_like_plain_fp32_and_rides_out_overflows():
 def test_ema_warm_up_counts_optimizer_steps():
     """The official schedule: after optimizer step n, if (n + 1) % 8 == 0, decay = min((1 + n) / (10 + n), 0.9)."""
     w = torch.nn.Parameter(torch.zeros(3))
-    ema = common.EMA([w], max_decay=0.9, every=8)
+    ema = common.EMA([w], decay=0.9, every=8)
     shadow = 0.0
     for n in range(1, 41):
         with torch.no_grad():
@@ -215,6 +215,17 @@ def test_ema_warm_up_counts_optimizer_steps():
         if (n + 1) % 8 == 0:
             decay = min((1 + n) / (10 + n), 0.9)
             shadow = decay * shadow + (1 - decay) * n
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), shadow), rtol=1e-6, atol=0)
+
+
+def test_ema_without_its_warm_up_is_a_soft_copy_at_its_own_decay():
+    w = torch.nn.Parameter(torch.zeros(3))
+    ema, shadow = common.EMA([w], decay=0.75, every=1, warmup=False), 0.0
+    for n in range(1, 6):
+        with torch.no_grad():
+            w.fill_(float(n))
+        ema.step(n)
+        shadow = 0.75 * shadow + 0.25 * n
     torch.testing.assert_close(ema.shadow[0], torch.full((3,), shadow), rtol=1e-6, atol=0)
 
 

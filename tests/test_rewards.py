@@ -552,8 +552,8 @@ def cache_file(hub: Path, repo: str, filename: str):
 def test_every_registry_scorer_says_which_hub_files_it_needs():
     assert sorted(common.REWARDS) == sorted([*SCORER_REPOS, *NO_FILES])
     for name, repos in SCORER_REPOS.items():
-        assert [repo for repo, _ in common.REWARDS[name].hub_files] == repos, name
-    assert not any(getattr(common.REWARDS[name], "hub_files", ()) for name in NO_FILES)
+        assert [repo for repo, _ in common.SCORER_FILES[common.REWARDS[name]]] == repos, name
+    assert not any(common.REWARDS[name] in common.SCORER_FILES for name in NO_FILES)
 
 
 @pytest.mark.parametrize("name", SCORER_REPOS)
@@ -576,7 +576,7 @@ def test_a_scorer_not_in_the_hub_cache_is_one_line_before_anything_is_written(na
         assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert f"error: --reward {name} needs {repo} " in err and f"`hf download {repo}`" in err, err
         assert not (tmp_path / "run").exists()
-    for repo, filename in common.REWARDS[name].hub_files:
+    for repo, filename in common.SCORER_FILES[common.REWARDS[name]]:
         with pytest.raises(common.UsageError, match=re.escape(f"needs {repo} ({filename})")):
             common.check_scorer_files(["jpeg", name])
         cache_file(empty_hub, repo, filename)

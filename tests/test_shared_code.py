@@ -10,21 +10,27 @@ import pytest
 import helpers
 from helpers import ROOT
 
-SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "loop", "iteration-start", "loop-end"}
-OPTIONAL = {"update"}  # flow_grpo's blocks that a trainer may share: pro_grpo trains with Flow-GRPO's update
+SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "loop", "iteration-start", "step", "log",
+          "loop-end"}
+# flow_grpo's blocks that a trainer may share or drop: its update (pro_grpo trains with it) and the metrics of a
+# likelihood ratio (a likelihood-free method has none)
+OPTIONAL = {"update", "ratio-log"}
 TRAINERS = [f"{name}.py" for name in helpers.TRAINERS]
 
 
 def shared_blocks(path) -> dict[str, str]:
+    """NAME -> the text between its markers (a block may hold another: `step` lies in `update`)."""
     text = path.read_text()
-    blocks = dict(re.findall(r"# >>> shared: ([\w-]+)\n(.*?)# <<< shared: \1\n", text, flags=re.S))
-    opened = re.findall(r"# >>> shared: ([\w-]+)", text)
-    assert sorted(opened) == sorted(blocks), f"{path.name}: unbalanced shared markers {opened}"
-    return blocks
+    opened = re.findall(r"# >>> shared: ([\w-]+)\n", text)
+    assert len(set(opened)) == len(opened), f"{path.name}: a shared block opens twice: {opened}"
+    blocks = {name: re.search(rf"# >>> shared: {name}\n(.*?)# <<< shared: {name}\n", text, flags=re.S)
+              for name in opened}
+    assert all(blocks.values()) and text.count("# <<< shared: ") == len(opened), f"{path.name}: unbalanced markers"
+    return {name: m.group(1) for name, m in blocks.items()}
 
 
 def test_trainers_are_found_by_their_markers(tmp_path):
-    assert set(helpers.TRAINERS) == {"flow_grpo", "pro_grpo", "g2rpo", "v_grpo"} and helpers.TRAINERS[0] == "flow_grpo"
+    assert helpers.TRAINERS == helpers.find_trainers() and helpers.TRAINERS[0] == "flow_grpo"
     (tmp_path / "my_method.py").write_text((ROOT / "flow_grpo.py").read_text())   # a fork joins by being there
     (tmp_path / "common.py").write_text((ROOT / "common.py").read_text())
     (tmp_path / "flow_grpo.py").write_text((ROOT / "flow_grpo.py").read_text())
