@@ -1,21 +1,13 @@
-"""What the four trainers share, in two parts. Method logic lives in the trainers; this file names no method, except
-where a step comes from (Flow-GRPO's SDE, CPS).
+"""What the four trainers share. Method logic lives in the trainers; this file names no method, except where a step
+comes from (Flow-GRPO's SDE, CPS).
 
-Part I, the vocabulary, is for reading beside a paper: what a trainer's method is written in.
-  1. Flow math: schedules, the ODE step, the SDE and CPS steps with their log-probs, the KL
-  2. Models: the adapters (toy, flux, sd3) behind one interface, LoRA, the reference policy, the EMA
-  3. Rewards: the scorers, their weighted sum and its advantages
-  4. Prompts
-Part II, the machinery, is what a fork uses without reading (the README states its promises, the tests hold them).
-  5. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives
-  6. The training loop and its guards: the loop around a trainer's method, the step guard, work counters, FSDP2
-  7. Run folders and checkpoints
-  8. Logging and image grids
-  9. Evaluation, also from the command line (`python common.py evaluate`)
-  10. Preflight: the checks of --preflight
-  11. Remote scorers and the reward server (`python common.py serve-reward`)
-  Appendix A. The toy world (its pre-training: `python tests/pretrain_toy.py`)
-  Appendix B. Offline pipelines: the published architectures with random weights
+Part I, the vocabulary a trainer's method is written in, is for reading beside a paper: 1. flow math (schedules, the
+ODE, SDE and CPS steps with their log-probs, the KL, the ODE sampler); 2. models (the toy, flux and sd3 adapters behind
+one interface, LoRA, the reference policy, the EMA); 3. rewards (the scorers, their weighted sum and its advantages);
+4. prompts. Part II, the machinery, is what a fork uses without reading (the README states its promises, the tests
+hold them): 5. runtime and CLI; 6. the training loop and its guards; 7. run folders and checkpoints; 8. logging;
+9. evaluation (`python common.py evaluate`); 10. preflight; 11. remote scorers and their server (`python common.py
+serve-reward`); 12. loading the inputs. Appendix A, the toy world; Appendix B, the published architectures offline.
 
 Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise,
 velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
@@ -198,43 +190,13 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict)
-# The toy adapter is in Appendix A, random-weight pipelines in Appendix B.
+# load_model (section 12) makes one; the toy adapter is in Appendix A, random-weight pipelines in Appendix B.
 MODELS = ("toy", "flux", "sd3")
-
-
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
-
-
 FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                      "ff_context.net.2"]
-
-
 SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
-
-
-def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
-               guidance_scale: float | None = None, max_sequence_length: int | None = None,
-               offload_encoders: bool = False):
-    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
-    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
-    the adapter's defaults."""
-    if name == "toy":
-        from diffusers import FluxTransformer2DModel
-        from transformers import CLIPTextModel
-        root = Path(path) if path else ASSETS / "toy"
-        return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device)
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
-    if path and path.startswith("random"):
-        pipe = random_pipeline(name, path, rt.device, rt.dtype)
-    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
-        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
-            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
-    settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-    return adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
-                       **{k: v for k, v in settings.items() if v is not None})
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -309,18 +271,6 @@ class PipelineAdapter:
 
     def save_lora(self, path, state_dict):
         type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
-
-
-def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
-    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
-    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            offload = offload_encoders and name.startswith("text_encoder")
-            module.requires_grad_(False).eval().to("cpu" if offload else device)
-            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
-            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
-                module.to(dtype=want)
 
 
 class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
@@ -713,36 +663,6 @@ class ImageRewardScore:
 REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
            "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
            "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
-
-
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
-    A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
-    out = {}
-    for part in [p.strip() for p in (spec or "").split(",")]:
-        if part.lower().startswith("remote:"):
-            head, _, last = part[len("remote:"):].rpartition("/")
-            last, _, w = last.partition(":")
-            name = f"remote:{head}/{last}"
-            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
-                raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
-                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
-        else:
-            name, _, w = part.partition(":")
-            name = name.strip().lower()
-            if name not in REWARDS or name in out:
-                raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
-                                 f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
-        try:
-            out[name] = float(w) if w else 1.0
-        except ValueError:
-            out[name] = math.nan
-        if not math.isfinite(out[name]):
-            raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
-        if abs(out[name]) > torch.finfo(torch.float32).max:
-            raise UsageError(f"weight {w} for reward {name!r} in --reward {spec!r} is beyond float32, where rewards "
-                             f"are summed: use a smaller weight")
-    return list(out.items())
 
 
 REWARD_NORMS = ("sum", "per-reward")
@@ -2734,8 +2654,74 @@ def serve_reward(argv=None):
 
 
 # ==============================================================================================================
-# 12. Scorers' and prompts' files: hub files, weight mappings, the rebuilt preprocessing, the prompt file's checks
+# 12. Loading the inputs: the model, the reward spec, the scorers' files, weight mappings and preprocessing, prompts
 # ==============================================================================================================
+def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
+               guidance_scale: float | None = None, max_sequence_length: int | None = None,
+               offload_encoders: bool = False):
+    """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
+    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
+    the adapter's defaults."""
+    if name == "toy":
+        from diffusers import FluxTransformer2DModel
+        from transformers import CLIPTextModel
+        root = Path(path) if path else ASSETS / "toy"
+        return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device)
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
+    if path and path.startswith("random"):
+        pipe = random_pipeline(name, path, rt.device, rt.dtype)
+    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
+        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
+            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
+    settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
+    return adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
+                       **{k: v for k, v in settings.items() if v is not None})
+
+
+def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
+    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
+    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            offload = offload_encoders and name.startswith("text_encoder")
+            module.requires_grad_(False).eval().to("cpu" if offload else device)
+            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
+            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
+                module.to(dtype=want)
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
+    A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
+    out = {}
+    for part in [p.strip() for p in (spec or "").split(",")]:
+        if part.lower().startswith("remote:"):
+            head, _, last = part[len("remote:"):].rpartition("/")
+            last, _, w = last.partition(":")
+            name = f"remote:{head}/{last}"
+            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
+                raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
+                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
+        else:
+            name, _, w = part.partition(":")
+            name = name.strip().lower()
+            if name not in REWARDS or name in out:
+                raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
+                                 f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
+        try:
+            out[name] = float(w) if w else 1.0
+        except ValueError:
+            out[name] = math.nan
+        if not math.isfinite(out[name]):
+            raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
+        if abs(out[name]) > torch.finfo(torch.float32).max:
+            raise UsageError(f"weight {w} for reward {name!r} in --reward {spec!r} is beyond float32, where rewards "
+                             f"are summed: use a smaller weight")
+    return list(out.items())
+
+
 def hub_file(repo_or_folder: str, filename: str) -> str:
     """A file of a hub repository (downloaded once into the hub cache), or of a local folder."""
     if Path(repo_or_folder).is_dir():
