@@ -28,9 +28,9 @@ Simplifications / readings (vs the paper and its official code):
      (their log-probs computed once, in the rollout). Each rollout micro-batch (one call of the official
      pipeline) draws its window's start uniformly in [LO, HI - W] (`--sde-window-range`), from the rank's seeded
      generator rather than Python's `random` (the official code draws once per pipeline call on each rank), so
-     runs repeat and a resume is bitwise. HI <= T - 1: the last step is never in the window, as the official code
-     keeps it an ODE step, the density being too sharp there. `--timestep-fraction` is unused then (the official
-     Fast scripts do not read it either).
+     runs repeat and a resume is bitwise. HI <= T - 1 keeps the last step, whose density is too sharp to train, an
+     ODE step: the official configs' ranges keep it out, but the official Fast code does not check it. Here a range
+     that reaches it is refused. `--timestep-fraction` is unused then (the official Fast scripts do not read it).
   9. `--sde-type cps` takes Coefficients-Preserving Sampling's step (common.cps_step) with its official log-prob,
      -mean (x' - mu)^2: the Gaussian's without its constants and without 1 / (2 std^2). The ratio then has the
      official scale, so `--clip-range 1e-5` of the official CPS configs means what it means there (a Gaussian
