@@ -2549,10 +2549,8 @@ def _shut(sock):
 
 
 def serve_reward(argv=None):
-    """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer over HTTP at
-    http://HOST:PORT/NAME for RemoteReward, so a scorer with its own environment runs there. Answers 400 to anything
-    but uint8 (H, W, 3) images with a prompt each, 413 over --max-request-mb, 500 on a scorer's error; a client whose
-    request is not all in --timeout s after connecting (however it trickles) is dropped, with a line on stderr."""
+    """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer at http://HOST:PORT/NAME for
+    RemoteReward, so a scorer with its own environment runs there (the protocol and its answers: README, Rewards)."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
@@ -2561,94 +2559,53 @@ def serve_reward(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-request-mb", type=float, default=1024, help="larger requests are refused (HTTP 413)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds a client has to send its request")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a client may send nothing before it is dropped")
     a = ap.parse_args(argv)
-
-    def refuse(message: str):
-        ap.exit(2, f"{ap.prog}: error: {message}\n")
-    if not 0 <= a.port <= 65535:
-        refuse(f"--port {a.port} must be between 0 and 65535")
-    for flag, value in [("--timeout", a.timeout), ("--max-request-mb", a.max_request_mb)]:
-        if not (math.isfinite(value) and value > 0):
-            refuse(f"{flag} {value:g} must be a finite number above 0")
-    scorer, lock = None, threading.Lock()  # one batch at a time on the model
-
-    def decode(raw: bytes) -> tuple[torch.Tensor, list[str], list | None]:
-        """The request's images (N, 3, H, W) in [0, 1], prompts and metadata, or a ValueError saying what is wrong."""
-        batch = json.loads(raw)
-        images, prompts, metadata = (batch.get(k) if isinstance(batch, dict) else None
-                                     for k in ("images", "prompts", "metadata"))
-        if not (isinstance(images, list) and images and isinstance(prompts, list) and len(prompts) == len(images)
-                and all(isinstance(p, str) for p in prompts)
-                and (metadata is None or isinstance(metadata, list) and len(metadata) == len(images))):
-            raise ValueError('expected {"images": [1 or more], "prompts": [a string per image], "metadata": null '
-                             'or [one per image]}')
-        arrays = [np.load(io.BytesIO(base64.b64decode(x, validate=True)), allow_pickle=False) for x in images]
-        if not all(x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3 and x.shape == arrays[0].shape
-                   for x in arrays):
-            raise ValueError(f"images must be .npy uint8 arrays (H, W, 3) of one size, not "
-                             f"{sorted({f'{x.dtype} {x.shape}' for x in arrays})}")
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255, prompts, metadata
+    lock = threading.Lock()  # one batch at a time on the model
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = a.timeout  # for each read and write; the request as a whole has the deadline below
-
-        def setup(self):
-            super().setup()
-            self.deadline = threading.Timer(a.timeout, _shut, [self.connection])
-            self.deadline.start()
-
-        def finish(self):
-            self.deadline.cancel()
-            super().finish()
+        timeout = a.timeout  # of each read and write: past it the standard library drops the client with one line
 
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
-                return self._send(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
-            size = self.headers.get("Content-Length", "")
-            if not size.isdigit():
-                return self._send(411, {"error": "send a Content-Length"})
-            if int(size) > a.max_request_mb * 2**20:
-                return self._send(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
-            raw = self.rfile.read(int(size))
-            self.deadline.cancel()  # received: the time to score it is the server's own
-            if len(raw) < int(size):
-                raise ConnectionError(f"{len(raw)} of {size} bytes came within --timeout {a.timeout:g} s")
-            try:
-                batch = decode(raw)
-            except Exception as e:  # noqa: BLE001 - anything undecodable is the client's error
-                return self._send(400, {"error": f"{type(e).__name__}: {e}"})
+                return self.reply(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
+            if (size := self.headers.get("Content-Length", "")).isdigit() and int(size) > a.max_request_mb * 2**20:
+                return self.reply(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
+            raw = self.rfile.read(int(size) if size.isdigit() else 0)  # none or not a number: empty, a 400 below
+            try:  # after the read, whose timeout must drop the client; anything undecodable is the client's error
+                batch = json.loads(raw)
+                x = np.stack([np.load(io.BytesIO(base64.b64decode(s, validate=True))) for s in batch["images"]])
+                prompts, metadata = batch["prompts"], batch.get("metadata")
+                if not (x.dtype == np.uint8 and x.ndim == 4 and x.shape[3] == 3 and isinstance(prompts, list)
+                        and len(prompts) == len(x) and all(isinstance(p, str) for p in prompts)
+                        and (metadata is None or isinstance(metadata, list) and len(metadata) == len(x))):
+                    raise ValueError("expected uint8 (H, W, 3) images, a prompt string each, metadata null or one each")
+            except Exception as e:  # noqa: BLE001
+                return self.reply(400, {"error": f"{type(e).__name__}: {e}"})
             try:
                 with lock, torch.no_grad():
-                    scores = scorer(*batch).float().tolist()
-            except Exception as e:  # noqa: BLE001 - reported to the client, which stops the run
-                return self._send(500, {"error": f"{type(e).__name__}: {e}"})
-            self._send(200, {"scores": scores})
+                    scores = scorer(torch.from_numpy(x).permute(0, 3, 1, 2) / 255, prompts, metadata).float().tolist()
+            except Exception as e:  # noqa: BLE001 - the client retries a 5xx, then stops its run
+                return self.reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self.reply(200, {"scores": scores})
 
-        def _send(self, code, obj):
+        def reply(self, code, obj):
             data = json.dumps(obj).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, *args):
+        def log_request(self, *args):  # no line per request; errors (a timeout, a malformed request) keep theirs
             pass
 
-    class Server(ThreadingHTTPServer):
-        def handle_error(self, request, client_address):  # a client that stalled or left: one line
-            print(f"dropped a request from {client_address[0]}: {sys.exc_info()[1]!r}", file=sys.stderr, flush=True)
-
-    try:
-        server = Server((a.host, a.port), Handler)
-    except OSError as e:
-        refuse(f"cannot serve at {a.host}:{a.port} ({e.strerror or e}): pass another --port or --host")
-    try:
+    with one_line_errors(ap.prog):  # a UsageError: one line, exit status 2
+        try:
+            server = ThreadingHTTPServer((a.host, a.port), Handler)  # before the scorer loads: a busy port at once
+        except (OSError, OverflowError) as e:  # busy, a bad host, a port outside 0-65535
+            raise UsageError(f"cannot serve at {a.host}:{a.port} ({e}): pass another --port or --host") from None
         check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
-    except UsageError as e:
-        refuse(str(e))
     print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
     server.serve_forever()
 
