@@ -789,11 +789,9 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") ->
 
 
 def cpu_threads(threads: int | None = None):
-    """A CPU run's intra-op threads: `threads` (--threads), else the cores this process may use (sched_getaffinity)
-    shared among torchrun's ranks on the machine, less those other processes keep busy, measured again each second
-    (/proc/stat) as modules run. OpenMP's threads spin while they wait for each other, so one whose core another
-    process holds stalls every parallel region (the toy beside one busy process: 3x as long with 2 threads as with 1),
-    and sleeping instead wakes too slowly for the toy's many small ops (1.7x as long alone)."""
+    """A CPU run's intra-op threads: `threads`, else the cores this process may use shared among torchrun's ranks on
+    the machine, less those other processes keep busy (/proc/stat, each second as modules run): OpenMP's threads spin
+    while they wait, so a thread whose core another process holds stalls every parallel region (README, Set-up)."""
     while _BALANCE:
         _BALANCE.pop().hook.remove()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
@@ -840,8 +838,7 @@ def seed_everything(seed: int):
 
 
 def make_generator(*keys: int) -> torch.Generator:
-    """A CPU generator seeded from integers (seed, rank, iteration, ...): every draw is a pure function of these
-    keys, so a resumed run repeats the same draws without saving RNG states."""
+    """A CPU generator seeded from integers (seed, rank, iteration, ...), so a resumed run repeats the same draws."""
     # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
     g = torch.Generator()
     g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
@@ -855,11 +852,8 @@ def print0(*args, **kwargs):
 
 @contextlib.contextmanager
 def ends_process():
-    """Around an entry point: under torchrun (a process group is up) the process ends here with the block's exit
-    status, neither destroying the group nor running interpreter exit. Why: a gloo worker thread frees a finished
-    collective's tensors after the caller moves on, which needs the GIL; the group's destructor holds it while waiting
-    for that thread (a deadlock), and after interpreter exit it is gone (an abort: "terminate called without an
-    active exception"). Everything a run writes is closed by then. One process (no group) returns or raises as usual."""
+    """Around an entry point: under torchrun the process ends here with the block's exit status (os._exit), since
+    the group's destructor and interpreter exit deadlock or abort on a gloo worker thread that still needs the GIL."""
     code = 0
     try:
         yield
@@ -883,8 +877,7 @@ class UsageError(ValueError):
 
 
 class TrainingStopped(RuntimeError):
-    """The run ended early on purpose (a signal, non-finite steps, a failed write or reward), saying what was saved
-    and how to go on. `save_state`: weights intact, so the iteration under way is checkpointed if it has not stepped."""
+    """The run ended early on purpose, saying what was saved and how to go on; `save_state`: the weights are intact."""
 
     def __init__(self, message: str, exit_code: int = 1, save_state: bool = False):
         super().__init__(message)
@@ -956,8 +949,8 @@ _SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
-    """The first SIGTERM / SIGINT asks for a checkpoint and stop (and cuts an `interruptible` block short); a second
-    ends the process at once, exit status 128 + the signal."""
+    """The first SIGTERM / SIGINT asks for a checkpoint and stop (cutting an `interruptible` block short), a second
+    ends the process at once."""
     name = signal.Signals(signum).name
     if _SIGNALLED["signum"]:  # a second signal: stop now
         print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)
@@ -971,8 +964,7 @@ def _on_signal(signum, frame):
 
 @contextlib.contextmanager
 def interruptible():
-    """A main-thread block that may wait long (a remote scorer): SIGTERM / SIGINT before or during it raises
-    TrainingStopped there, so the run goes on to its checkpoint-and-stop path."""
+    """A main-thread block that may wait long (a remote scorer): a signal before or during it raises TrainingStopped."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers run in the main thread only
         yield
         return
@@ -1003,9 +995,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = None):
-    """Parses the command line into `args_cls` (a dataclass of toy defaults and help strings). `--model` is read first,
-    so `--help` and unset fields take its entry of `model_defaults` (flux / sd3). Numbers must be within their field's
-    bounds (check_flag: NaN and inf never pass); an empty value of a flag that defaults to unset is refused."""
+    """The command line as `args_cls` (a dataclass of toy defaults), its unset fields and --help from --model's entry
+    of `model_defaults`; numbers within their field's bounds (check_flag), no empty value of a flag unset by default."""
     doc = " ".join((sys.modules["__main__"].__doc__ or "").split("\n\n")[0].split())
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     pre = Parser(add_help=False)
@@ -1072,8 +1063,7 @@ def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def stop_together(what: str):
-    """A block every rank runs (as many calls of it on each): an exception in it on any rank stops every rank with the
-    same line, TrainingStopped(f"{what} on rank R: ..."), the weights intact (save_state), none left waiting."""
+    """A block every rank runs: an exception in it on any rank stops every rank with the same line, none waiting."""
     error = None
     try:
         yield
@@ -1110,7 +1100,7 @@ def no_sync(net: torch.nn.Module, skip: bool):
 
 
 def out_of_time(t0: float, budget: float, device) -> bool:
-    """`--time-budget`: True once `budget` s (0: never) have passed since t0 on any rank, so all ranks stop together."""
+    """--time-budget: True on every rank once `budget` s (0: never) have passed since t0 on any."""
     return budget > 0 and bool(all_ranks([time.time() - t0 >= budget], device, dist.ReduceOp.MAX)[0])
 
 
@@ -1828,9 +1818,8 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) 
 # 8. Logging and labelled image grids
 # ==============================================================================================================
 class Logger:
-    """Main process only: a JSON line per iteration appended to metrics.jsonl (NaN, inf: null), a line on stdout, W&B
-    with a `wandb_config`. A resumed run logs again from its checkpoint's iteration: a reader takes each iteration's
-    last line and skips lines without one."""
+    """Main process only: an iteration's JSON line appended to metrics.jsonl (NaN, inf: null), a line on stdout, W&B
+    with a `wandb_config`."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
@@ -1845,7 +1834,7 @@ class Logger:
         metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
                    for k, v in metrics.items()}
         append_line(self.path, metrics)
-        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "kl", "clip_frac", "skipped_steps", "time_s"]
+        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
         from tqdm import tqdm
         tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
                                                                 if isinstance(metrics.get(k), (int, float))))
@@ -1854,8 +1843,7 @@ class Logger:
 
 
 def append_line(path: Path, record: dict):
-    """Appends `record` as one strict JSON line (first ending a line a kill cut short); a failed write is undone, so
-    the file never ends in half a line, and stops the run."""
+    """Appends `record` as one strict JSON line, after ending a line a kill cut short; a failed write is undone."""
     line = json.dumps(record, allow_nan=False).encode() + b"\n"
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -2465,14 +2453,8 @@ def preflight_table(rows: list[tuple]) -> str:
 # 11. Remote scorers and the reward server (`python common.py serve-reward`)
 # ==============================================================================================================
 class RemoteReward:
-    """A scorer over HTTP (protocol: README, Rewards; server: `python common.py serve-reward`): each call POSTs one
-    JSON batch and reads back {"scores": [a finite number per image]}. A try has `timeout` seconds in all (_post); a
-    failed one (no answer, deadline, HTTP 5xx, a reply cut short or not JSON) is retried `retries` times after waits
-    of backoff, 2 backoff, ..., then the run stops naming the URL: a hung scorer costs (retries + 1) timeout +
-    (2^retries - 1) backoff, 494 s by default. HTTP 4xx, a wrong count or a score not finite in float32 stops it at
-    once (never a silent zero advantage). SIGTERM / SIGINT cuts a call short (`interruptible`)."""
-
-    reads_prompt = True  # assumed: the protocol does not say
+    """A scorer over HTTP (protocol: README, Rewards): each call POSTs one JSON batch, retrying a failed try (no whole
+    answer in `timeout` s, HTTP 5xx, not JSON) `retries` times; anything else wrong stops the run at once."""
 
     def __init__(self, url: str, device="cpu", timeout: float = 120.0, retries: int = 3, backoff: float = 2.0):
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
@@ -2894,24 +2876,14 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
 # ==============================================================================================================
 TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.25, 1.0),
               "yellow": (1.0, 1.0, 0.0), "white": (1.0, 1.0, 1.0)}
-
-
 TOY_SHAPES = ("circle", "square", "triangle", "cross")
-
-
 TOY_SIZE = 16                 # pixels per side
-
-
 TOY_HALF_SIZE = (0.28, 0.40)  # shape half-size as a fraction of the canvas, drawn uniformly
 
 
 # Pre-training sees each colour with two shapes; RL trains and evaluates on the other 10 pairs, which it must compose.
 TOY_SEEN = {(c, TOY_SHAPES[(i + j) % 4]) for i, c in enumerate(TOY_COLORS) for j in (0, 1)}
-
-
 TOY_PAIRS = [(c, s) for c in TOY_COLORS for s in TOY_SHAPES]
-
-
 TOY_HELD_OUT = [p for p in TOY_PAIRS if p not in TOY_SEEN]
 
 
