@@ -1491,7 +1491,9 @@ class TrainingLoop:
     """What a trainer's loop does around its method: the clock (training seconds without evaluation, continued across
     --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints every
     --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into which it loads
-    the run's checkpoint, if any. A run stopped by an exception (`after_failure`) keeps its last completed iteration.
+    the run's checkpoint, if any, with `extra_state` (name -> tensor or list of tensors: what the method keeps besides,
+    saved and restored in place with them). A run stopped by an exception (`after_failure`) keeps its last completed
+    iteration.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -1504,11 +1506,11 @@ class TrainingLoop:
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
-                 eval_prompts: list[dict], reward_fn):
+                 eval_prompts: list[dict], reward_fn, extra_state: dict | None = None):
         self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
-        self.optimizer, self.ema = optimizer, ema
+        self.optimizer, self.ema, self.extra_state = optimizer, ema, extra_state
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
-        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state) if run.checkpoint else 0.0
         if rt.is_main and not args.preflight:  # the first write: every check before it has passed
             run.log_start()
         self.t0 = time.time() - elapsed
@@ -1526,7 +1528,7 @@ class TrainingLoop:
     def save(self, iteration: int) -> Path:
         """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
         return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt)
+                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state)
 
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called at
@@ -1968,9 +1970,10 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
-def training_state(params: list, optimizer, ema: EMA | None) -> dict:
+def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict | None = None) -> dict:
     """What torch.distributed.checkpoint saves and loads in place, in either layout (plain tensors or FSDP2 shards):
-    trainable tensors by position, their AdamW state (unless `optimizer` is None: not yet stepped), the EMA's shadow."""
+    trainable tensors by position, their AdamW state (unless `optimizer` is None: not yet stepped), the EMA's shadow,
+    the method's `extra_state`."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1978,11 +1981,13 @@ def training_state(params: list, optimizer, ema: EMA | None) -> dict:
         state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
     if ema is not None:
         state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
+    if extra_state:
+        state["extra"] = extra_state
     return state
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float, meta: dict, rt: Runtime) -> Path:
+                    elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1993,7 +1998,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         return final
     tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
     write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}")
+                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -2002,7 +2007,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                     rt: Runtime, what: str):
+                     rt: Runtime, what: str, extra_state: dict | None = None):
     """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
     (training_state), then checkpoint.json (own_json). A failure on any rank removes it and stops all, naming `what`."""
     import torch.distributed.checkpoint as dcp
@@ -2015,7 +2020,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema), folder / "state")
+            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state),
+                           folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if sharded:  # collective: rank 0 gets the whole transformer
                     weights = get_model_state_dict(adapter.transformer,
@@ -2066,13 +2072,14 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
-def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, extra_state: dict | None = None
+                    ) -> float:
     """Restores what training_state names in place from state/ (else not_written_here); returns the training seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    state = training_state(params, optimizer, ema)
+    state = training_state(params, optimizer, ema, extra_state)
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")

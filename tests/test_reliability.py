@@ -315,6 +315,30 @@ def test_trainable_tensors_that_do_not_fit_are_refused_in_one_line(tmp_path):
         common.load_checkpoint(a / "checkpoints" / "iter_000001", saved[:1], None, None)
 
 
+def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
+    """TrainingLoop's extra_state (a tensor, a list of tensors) goes into state/ with the rest and loads back in
+    place, bit for bit; a checkpoint without the extra state a run expects is refused in one line."""
+    rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
+                                            "ema": False}
+    adapter = common.load_model("toy", rt)
+    params = common.add_lora(adapter.transformer, 0, 0.0, [])
+    optimizer = torch.optim.AdamW(params)
+    old = torch.randn(5, 3, dtype=torch.float64)                          # dtypes are kept: float64, int64
+    pair = [torch.randn(4), torch.arange(6, dtype=torch.int64)]
+    with_extra = common.save_checkpoint(tmp_path / "a", 1, adapter, params, False, optimizer, None, 2.5, meta, rt,
+                                        {"old": old, "pair": pair})
+    without = common.save_checkpoint(tmp_path / "b", 1, adapter, params, False, optimizer, None, 2.5, meta, rt)
+    into = {"old": torch.zeros_like(old), "pair": [torch.zeros_like(t) for t in pair]}
+    same = into["old"], *into["pair"]
+    assert common.load_checkpoint(with_extra, params, optimizer, None, into) == 2.5
+    assert all(a is b for a, b in zip((into["old"], *into["pair"]), same, strict=True))   # in place
+    assert torch.equal(into["old"], old) and all(torch.equal(a, b) for a, b in zip(into["pair"], pair, strict=True))
+    with pytest.raises(common.UsageError, match=re.escape(f"{without} is not a checkpoint this code wrote: state/ "
+                                                          f"does not load (") + ".*extra.old") as e:
+        common.load_checkpoint(without, params, optimizer, None, into)
+    assert "\n" not in str(e.value)
+
+
 def test_a_refused_resume_leaves_the_folder_as_it_was(tmp_path, capsys, monkeypatch):
     """A resume past --iterations is refused in one line before anything is written (args.json, a resume marker);
     a bad flag leaves no run folder, not even a default one."""
