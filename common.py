@@ -19,9 +19,11 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -1213,7 +1215,9 @@ class TrainingLoop:
     """What a trainer's loop does around its method: the clock (training seconds without evaluation, continued across
     --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints every
     --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into which it loads
-    the run's checkpoint, if any. A run stopped by an exception (`after_failure`) keeps its last completed iteration.
+    the run's checkpoint, if any, with `extra_state` (name -> tensor or list of tensors: what the method keeps besides,
+    saved and restored in place with them). A run stopped by an exception (`after_failure`) keeps its last completed
+    iteration.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -1226,11 +1230,11 @@ class TrainingLoop:
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
-                 eval_prompts: list[dict], reward_fn):
+                 eval_prompts: list[dict], reward_fn, extra_state: dict | None = None):
         self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
-        self.optimizer, self.ema = optimizer, ema
+        self.optimizer, self.ema, self.extra_state = optimizer, ema, extra_state
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
-        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema) if run.checkpoint else 0.0
+        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state) if run.checkpoint else 0.0
         if rt.is_main and not args.preflight:  # the first write: every check before it has passed
             run.log_start()
         self.t0 = time.time() - elapsed
@@ -1248,7 +1252,7 @@ class TrainingLoop:
     def save(self, iteration: int) -> Path:
         """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
         return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt)
+                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state)
 
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called at
@@ -1483,7 +1487,7 @@ class Run:
                 "from_iteration": self.start, "checkpoint": str(self.checkpoint.resolve()) if self.checkpoint else None,
                 "args": self.config}})
         if not args_file.exists():
-            write_atomic(args_file, json.dumps(self.config, indent=2))
+            write_atomic(args_file, own_json(self.config))
 
 
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
@@ -1521,7 +1525,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     elif resume:
         checkpoint = find_checkpoint(resume)
     if checkpoint is not None:
-        start = check_checkpoint(checkpoint, {**meta, "world_size": world_size})
+        start = check_checkpoint(checkpoint, meta, world_size)
         if start > args.iterations:
             raise UsageError(f"--resume {resume} is at iteration {start}, past --iterations {args.iterations}: raise "
                              f"--iterations")
@@ -1625,62 +1629,59 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-# checkpoint.json's keys and their types: the run's meta, where it is, whether the optimizer had stepped.
-CHECKPOINT_KEYS = {"trainer": str, "model": str, "lora_rank": int, "lora_alpha": (int, float), "ema": bool,
-                   "iteration": int, "world_size": int, "elapsed": (int, float), "optimizer_stepped": bool}
+def own_json(record: dict) -> str:
+    """The text of a JSON file this code writes and reads back (checkpoint.json, args.json): `record` and a sha256 of
+    it, so that read_own_json tells a file edited or damaged since, or written by other code."""
+    return json.dumps({**record, "sha256": _sha256(record)}, indent=2)
+
+
+def _sha256(record) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def read_own_json(path: Path) -> dict:
+    """The record own_json wrote to `path`, else a ValueError saying what failed."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
+        raise ValueError(f"does not read ({one_line(e)})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"is a JSON {type(record).__name__}, not an object")
+    digest = record.pop("sha256", None)
+    if digest != _sha256(record):
+        raise ValueError("does not match its sha256 (edited or damaged)" if digest else "has no sha256")
+    return record
+
+
+def not_written_here(checkpoint: Path, why: str) -> UsageError:
+    """The one refusal of a checkpoint this code did not write, or that was changed since."""
+    return UsageError(f"{checkpoint} is not a checkpoint this code wrote: {why}; pass another checkpoint, or resume "
+                      f"from an earlier one in a new --output-dir")
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json, refused unless readable and well-typed (CHECKPOINT_KEYS) with sane values."""
+    """A checkpoint's checkpoint.json as write_checkpoint wrote it (else not_written_here)."""
     try:
-        info = json.loads((checkpoint / "checkpoint.json").read_text())
-        if all(type(info[k]) in (t if isinstance(t, tuple) else (t,)) for k, t in CHECKPOINT_KEYS.items()) and \
-                info["model"] in MODELS and info["iteration"] >= 0 and info["world_size"] >= 1 and \
-                info["lora_rank"] >= 0 and 0 <= info["elapsed"] < math.inf:
-            return info
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        pass
-    raise UsageError(f"{checkpoint} has no readable checkpoint.json: it is not a checkpoint of these trainers or it "
-                     f"is corrupt (it must name one of the models {', '.join(MODELS)}, an iteration of 0 or more and "
-                     f"{', '.join(k for k in CHECKPOINT_KEYS if k not in ('model', 'iteration'))}); pass another "
-                     f"checkpoints/iter_* folder")
+        return read_own_json(checkpoint / "checkpoint.json")
+    except ValueError as e:
+        raise not_written_here(checkpoint, f"checkpoint.json {e}") from None
 
 
-# checkpoint.json key a resumed run must match -> what to say when they differ (theirs, ours).
-RESUME_MATCH = {
-    "trainer": lambda theirs, ours: f"was trained by {theirs}.py, not {ours}.py: resume it with {theirs}.py",
-    "model": lambda theirs, ours: f"has --model {theirs}, this run {ours}: pass --model {theirs}",
-    "lora_rank": lambda theirs, ours: f"has --lora-rank {theirs}, this run {ours}: pass --lora-rank {theirs}",
-    "lora_alpha": lambda theirs, ours: f"has --lora-alpha {theirs}, this run {ours}: pass --lora-alpha {theirs}",
-    "ema": lambda theirs, ours: "was trained with EMA and this run has --no-ema: pass --ema" if theirs else
-    "was trained without EMA and this run has --ema: drop --ema (its EMA would start from the checkpoint's weights)",
-}
-
-
-def check_checkpoint(checkpoint: Path, meta: dict) -> int:
-    """Refuses a checkpoint that does not match `meta` (RESUME_MATCH; LoRA alpha only under LoRA) or whose state/ is
-    unreadable, and says what a changed number of ranks changes; returns its iteration."""
+def check_checkpoint(checkpoint: Path, meta: dict, world_size: int) -> int:
+    """Refuses a checkpoint of another trainer or flags than `meta` (LoRA alpha only under LoRA), naming each; says
+    what a changed number of ranks changes; returns its iteration."""
     info = checkpoint_info(checkpoint)
-    for key, say in RESUME_MATCH.items():
-        if info[key] != meta[key] and (key != "lora_alpha" or meta["lora_rank"]):
-            raise UsageError(f"checkpoint {checkpoint} {say(info[key], meta[key])}")
-    import torch.distributed.checkpoint as dcp
-    try:
-        saved = dcp.FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata
-        n, groups = sum(k.startswith("params.") for k in saved), {k.rsplit(".", 1)[0] for k in saved}
-        need = [f"params.{i}" for i in range(n or 1)] + [f"ema.{i}" for i in range(n) if info["ema"]]
-        if info["optimizer_stepped"]:  # AdamW's per-tensor state and its parameter group
-            need += ["optimizer.param_groups.0"] + [f"optimizer.state.{i}" for i in range(n)]
-        if missing := next((k for k in need if k not in saved and k not in groups), None):
-            raise KeyError(f"no {missing} in it")
-    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file raises many kinds
-        raise UsageError(f"checkpoint {checkpoint}: its training state state/ is unreadable ({one_line(e)}); it is "
-                         f"corrupt or incomplete: resume from an earlier checkpoints/iter_* folder in a new "
-                         f"--output-dir, or start a new run") from None
-    if info["world_size"] != meta["world_size"]:
+    differ = [k for k in meta if info[k] != meta[k] and (k != "lora_alpha" or meta["lora_rank"])]
+    if differ:  # what to pass: the trainer's file, --ema / --no-ema, --flag value
+        flags = [f"{info[k]}.py" if k == "trainer" else f"--{'' if info[k] else 'no-'}{k}" if isinstance(info[k], bool)
+                 else f"--{k.replace('_', '-')} {info[k]}" for k in differ]
+        raise UsageError(f"checkpoint {checkpoint} was trained with {', '.join(f'{k} {info[k]}' for k in differ)}, "
+                         f"this run has {', '.join(f'{k} {meta[k]}' for k in differ)}: resume with the same trainer "
+                         f"and flags ({' '.join(flags)})")
+    if info["world_size"] != world_size:
         print0(f"checkpoint {checkpoint.name} was trained on {info['world_size']} ranks and this run has "
-               f"{meta['world_size']}: each rank now takes 1/{meta['world_size']} of --prompts-per-step with its own "
-               f"seeds, so the run continues from the same state but its rollouts differ from those of an unbroken "
+               f"{world_size}: each rank now takes 1/{world_size} of --prompts-per-step with its own seeds, so the "
+               f"run continues from the same state but its rollouts differ from those of an unbroken "
                f"{info['world_size']}-rank run")
     return info["iteration"]
 
@@ -1693,11 +1694,10 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
-def training_state(params: list, optimizer, ema: EMA | None) -> dict:
-    """The state torch.distributed.checkpoint saves and loads in place, resharded to this run's layout: trainable
-    tensors by position, their AdamW state unless `optimizer` is None (not yet stepped: a fresh one has no state to
-    load into), the EMA's shadow. Plain tensors (one process, DDP) and FSDP2 shards are the same entries, so either
-    layout resumes in the other, on any number of ranks."""
+def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict | None = None) -> dict:
+    """What torch.distributed.checkpoint saves and loads in place, in either layout (plain tensors or FSDP2 shards):
+    trainable tensors by position, their AdamW state (unless `optimizer` is None: not yet stepped), the EMA's shadow,
+    the method's `extra_state`."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1705,11 +1705,13 @@ def training_state(params: list, optimizer, ema: EMA | None) -> dict:
         state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
     if ema is not None:
         state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
+    if extra_state:
+        state["extra"] = extra_state
     return state
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float, meta: dict, rt: Runtime) -> Path:
+                    elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1720,7 +1722,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         return final
     tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
     write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}")
+                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1729,12 +1731,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                     rt: Runtime, what: str):
-    """Writes a checkpoint into the new `folder` (with the process's umask); every rank calls it:
-      - pytorch_lora_weights.safetensors (`pipe.load_lora_weights(dir)`), or transformer/; the EMA's weights if kept;
-      - state/: training_state in torch.distributed.checkpoint's format, each rank writing its part;
-      - checkpoint.json, last: `info` (meta, iteration, elapsed seconds), ranks and optimizer_stepped (CHECKPOINT_KEYS).
-    A failure on any rank removes the folder and stops every rank with one line naming `what`."""
+                     rt: Runtime, what: str, extra_state: dict | None = None):
+    """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
+    (training_state), then checkpoint.json (own_json). A failure on any rank removes it and stops all, naming `what`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None
@@ -1745,7 +1744,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema), folder / "state")
+            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state),
+                           folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if sharded:  # collective: rank 0 gets the whole transformer
                     weights = get_model_state_dict(adapter.transformer,
@@ -1760,8 +1760,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
-                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped}
-                (folder / "checkpoint.json").write_text(json.dumps(info, indent=2))
+                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params)}
+                (folder / "checkpoint.json").write_text(own_json(info))
         except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
             error = one_line(e)
     if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
@@ -1772,12 +1772,17 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
 
 
 def single_process(save_or_load, state: dict, folder: Path):
-    """dcp.save or dcp.load of `state` in `folder`; in one process told so (no_dist), which DCP warns of anyway."""
-    one = not dist.is_initialized()
+    """dcp.save or dcp.load of `state` in `folder`; in one process told so (no_dist), which DCP warns of anyway. The
+    tracebacks DCP logs (on the root logger) for a metadata file it cannot read are dropped: its error says it."""
+    one, root, drop = not dist.is_initialized(), logging.getLogger(), lambda record: False
     with warnings.catch_warnings():
         if one:
             warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-        return save_or_load(state, checkpoint_id=folder, no_dist=one)
+        root.addFilter(drop)
+        try:
+            return save_or_load(state, checkpoint_id=folder, no_dist=one)
+        finally:
+            root.removeFilter(drop)
 
 
 def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
@@ -1791,26 +1796,22 @@ def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
 
 
-def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None) -> float:
-    """Restores parameters, optimizer and EMA in place from state/ (else a UsageError); returns the training seconds."""
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, extra_state: dict | None = None
+                    ) -> float:
+    """Restores what training_state names in place from state/ (else not_written_here); returns the training seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
-    saved = sum(k.startswith("params.") for k in dcp.FileSystemReader(str(checkpoint / "state")).read_metadata()
-                .state_dict_metadata)
-    if saved != len(params):
-        raise UsageError(f"checkpoint {checkpoint} holds {saved} trainable tensors and this model {len(params)}: "
-                         f"resume with the --model, --model-path and --lora-rank it was trained with")
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    state = training_state(params, optimizer, ema)
+    state = training_state(params, optimizer, ema, extra_state)
     try:
+        if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
+            raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
         single_process(dcp.load, state, checkpoint / "state")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
-    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - it raises many kinds for damaged files
-        raise UsageError(f"checkpoint {checkpoint}: its training state state/ does not load into this run "
-                         f"({one_line(e)}); it is corrupt, incomplete or of another model: resume from an earlier "
-                         f"checkpoints/iter_* folder in a new --output-dir, or start a new run") from None
+    except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
+        raise not_written_here(checkpoint, f"state/ does not load ({one_line(e)})") from None
     return float(info["elapsed"])
 
 
@@ -1966,14 +1967,10 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
 EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40)}  # -> (reward, ODE steps)
-# Its settings: flag -> (the run's args.json key, type, at least, at most), bounded as the trainers bound theirs.
-EVAL_SETTINGS = {"images": ("eval_images", int, 1, 100_000), "steps": ("eval_steps", int, 1, 1000),
-                 "seed": ("seed", int, 0, 2**63 - 1), "resolution": ("resolution", int, 16, 4096),
-                 "guidance_scale": ("guidance_scale", (int, float), 0, None),
-                 "max_sequence_length": ("max_sequence_length", int, 1, 512), "threads": (None, int, 1, 1024),
-                 "batch_size": (None, int, 1, None), "model_path": ("model_path", str, None, None),
-                 "reward": ("reward", str, None, None), "prompts": ("prompts", str, None, None),
-                 "dtype": ("dtype", str, None, None)}
+# Its numeric flags -> (at least, at most), the trainers' bounds (images: --eval-images, steps: --eval-steps).
+EVAL_BOUNDS = {"images": (1, 100_000), "steps": (1, 1000), "seed": (0, 2**63 - 1), "resolution": (16, 4096),
+               "guidance_scale": (0, None), "max_sequence_length": (1, 512), "threads": (1, 1024),
+               "batch_size": (1, None)}
 
 
 def evaluate_main(argv=None) -> dict:
@@ -2003,9 +2000,8 @@ def evaluate_main(argv=None) -> dict:
 
 
 def _evaluate_main(a) -> dict:
-    for flag, (_, _, low, high) in EVAL_SETTINGS.items():
-        if low is not None:
-            check_flag(flag, getattr(a, flag), low, high)
+    for flag, (low, high) in EVAL_BOUNDS.items():
+        check_flag(flag, getattr(a, flag), low, high)
     if len(a.checkpoint) > 2:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
@@ -2079,37 +2075,27 @@ def _evaluate_main(a) -> dict:
 
 
 def run_settings(run_dir: Path) -> dict:
-    """A run's args.json ({} if none), refused in one line unless its EVAL_SETTINGS have their types and bounds."""
+    """A run's args.json as its trainer wrote it ({} if there is none), else one refusal."""
     path = run_dir / "args.json"
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
-        config = json.loads(path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError(f"a JSON {type(config).__name__}, not an object")
-        for key, kind, low, high in EVAL_SETTINGS.values():
-            value = config.get(key)
-            if key and value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-                raise ValueError(f"{key} {value!r} is not {({int: 'an integer', str: 'text'}).get(kind, 'a number')}")
-            if key and low is not None:
-                check_flag(key, value, low, high)
-    except (OSError, ValueError, RecursionError) as e:  # a UsageError of check_flag too
-        raise UsageError(f"{path} does not hold a run's settings ({e}): repair it, or move it aside and pass the run's "
+        return read_own_json(path)
+    except ValueError as e:
+        raise UsageError(f"{path} is not a run's args.json this code wrote: it {e}; move it aside and pass the run's "
                          f"settings as flags (--model-path, --reward, --prompts, --steps, ...)") from None
-    return config
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
     """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the
-    trainers evaluate) into adapter.transformer. An unreadable weights file is refused, naming it."""
+    trainers evaluate) into adapter.transformer; a weights file that does not load is refused (not_written_here)."""
     from safetensors.torch import load_file
-    lora = bool(info.get("lora_rank"))
+    lora = info["lora_rank"] > 0
     path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
     try:
         weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
     except Exception as e:  # noqa: BLE001 - safetensors, diffusers and torch raise many kinds for a damaged file
-        raise UsageError(f"checkpoint {checkpoint}: {path.name} is unreadable ({type(e).__name__}: {e}); it is "
-                         f"corrupt or incomplete: pass another checkpoint") from None
+        raise not_written_here(checkpoint, f"{path.name} does not load ({one_line(e)})") from None
     if not lora:
         adapter.transformer.load_state_dict(weights)
         return

@@ -126,9 +126,14 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
         (["--checkpoint", str(toy_run), "--batch-size", "0"], "--batch-size 0 must be at least 1"),
         (["--checkpoint", str(toy_run), "--threads", "5000"], "--threads 5000 must be at least 1 and at most 1024"),
         (["--checkpoint", str(toy_run), "--steps", "x"], "argument --steps: invalid int value: 'x'"),
-        (["--checkpoint", damaged(toy_run, tmp_path, "corrupt", "checkpoint.json")], "no readable checkpoint.json"),
+        (["--checkpoint", damaged(toy_run, tmp_path, "corrupt", "checkpoint.json")],
+         "iter_000002 is not a checkpoint this code wrote: checkpoint.json does not read (JSONDecodeError: "),
         (["--checkpoint", damaged(toy_run, tmp_path, "unknown", "checkpoint.json", b'{"model": "sdxl", '
-                                  b'"iteration": 2}')], "must name one of the models toy, flux, sd3"),
+                                  b'"iteration": 2}')], "iter_000002 is not a checkpoint this code wrote: "
+                                                        "checkpoint.json has no sha256; pass another checkpoint"),
+        (["--checkpoint", damaged(toy_run, tmp_path, "edited", "checkpoint.json", edited(toy_run, "checkpoint.json",
+                                                                                        lora_rank=4))],
+         "iter_000002 is not a checkpoint this code wrote: checkpoint.json does not match its sha256"),
     ]:
         with pytest.raises(SystemExit) as e:
             common.evaluate_main(argv)
@@ -137,35 +142,43 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
     assert (tmp_path / "full" / "x").read_text() == "kept" and (tmp_path / "a_file").read_text() == "kept"
 
 
-def test_evaluates_settings_have_the_trainers_bounds():
+def test_evaluates_bounds_are_the_trainers():
     for trainer in TRAINERS:
         fields = {f.name: f.metadata for f in dataclasses.fields(importlib.import_module(trainer).Args)}
-        for flag, (key, _, low, high) in common.EVAL_SETTINGS.items():
-            if (key or flag) in fields:
-                assert (fields[key or flag].get("at_least"), fields[key or flag].get("at_most")) == (low, high), flag
+        for flag, bounds in common.EVAL_BOUNDS.items():
+            key = {"images": "eval_images", "steps": "eval_steps"}.get(flag, flag)
+            if key in fields:
+                assert (fields[key].get("at_least"), fields[key].get("at_most")) == bounds, flag
+
+
+def edited(run_dir, file: str, **changes) -> bytes:
+    """The JSON of run_dir's `file` (args.json, or its latest checkpoint's checkpoint.json) with `changes`, its sha256
+    left as it was: still well-formed and well-typed."""
+    path = run_dir / file if file == "args.json" else next((run_dir / "checkpoints").glob("iter_*")) / file
+    return json.dumps({**json.loads(path.read_text()), **changes}, indent=2).encode()
 
 
 @pytest.mark.parametrize("data,why", [
-    (b'{"model": "toy", "eval_steps": 4', "Expecting ',' delimiter"),
-    (b"", "Expecting value"),
-    (b"[1, 2, 3]", "a JSON list, not an object"),
-    (b'{"eval_steps": 1e9}', "eval_steps 1000000000.0 is not an integer"),
-    (b'{"eval_steps": 100000000}', "--eval-steps 100000000 must be at least 1 and at most 1000"),
-    (b'{"eval_images": -3}', "--eval-images -3 must be at least 1"),
-    (b'{"seed": 1e400}', "seed inf is not an integer"),
-    (b'{"reward": 5}', "reward 5 is not text"),
+    (b'{"model": "toy", "eval_steps": 4', "does not read (JSONDecodeError: Expecting ',' delimiter"),
+    (b"", "does not read (JSONDecodeError: Expecting value"),
+    (b"[1, 2, 3]", "is a JSON list, not an object"),
+    (b'{"eval_steps": 100000000}', "has no sha256"),
+    (lambda run_dir: edited(run_dir, "args.json", eval_steps=3), "does not match its sha256 (edited or damaged)"),
+    (lambda run_dir: edited(run_dir, "args.json", reward="jpeg"), "does not match its sha256 (edited or damaged)"),
 ])
 def test_a_damaged_args_json_is_one_line_and_nothing_is_written(data, why, toy_run, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(toy_run, run_dir)
-    (run_dir / "args.json").write_bytes(data)
+    (run_dir / "args.json").write_bytes(data(run_dir) if callable(data) else data)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as e:
         common.evaluate_main(["--checkpoint", str(run_dir), "--output", str(tmp_path / "eval")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
-    assert f"{run_dir / 'args.json'} does not hold a run's settings ({why}" in err and "repair it" in err, err
+    assert f"{run_dir / 'args.json'} is not a run's args.json this code wrote: it {why}" in err, err
+    assert err.endswith("; move it aside and pass the run's settings as flags (--model-path, --reward, --prompts, "
+                        "--steps, ...)\n"), err
     assert before == {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert not (tmp_path / "eval").exists()
 
@@ -188,14 +201,15 @@ def lora_run(tmp_path_factory):
 def test_a_damaged_weights_file_is_one_line(toy_run, lora_run, tmp_path, capsys):
     for argv, name in [
         (["--checkpoint", damaged(toy_run, tmp_path, "full", "transformer/diffusion_pytorch_model.safetensors")],
-         "transformer is unreadable"),
+         "is not a checkpoint this code wrote: transformer does not load ("),
         (["--checkpoint", damaged(lora_run, tmp_path, "lora", "pytorch_lora_weights.safetensors")],
-         "pytorch_lora_weights.safetensors is unreadable"),
+         "is not a checkpoint this code wrote: pytorch_lora_weights.safetensors does not load ("),
     ]:
         with pytest.raises(SystemExit) as e:
             common.evaluate_main([*argv, "--images", "2", "--steps", "1", "--threads", "1"])
         err = capsys.readouterr().err
-        assert e.value.code == 2 and name in err and "corrupt or incomplete" in err and "Traceback" not in err, err
+        errors = [ln for ln in err.splitlines() if "error:" in ln]        # besides the progress of loading a model
+        assert e.value.code == 2 and len(errors) == 1 and name in errors[0] and "Traceback" not in err, err
 
 
 def test_a_failing_reward_is_one_line(toy_run, tmp_path, capsys, monkeypatch):

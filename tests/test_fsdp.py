@@ -82,10 +82,10 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(tmp_path):
 
 
 def test_a_training_state_saved_in_one_layout_loads_in_another(tmp_path):
-    """The parameters, both AdamW moments, AdamW's step and the EMA shadow that 2 ranks save, as FSDP2 shards and as
-    the plain tensors DDP keeps, are what 3 ranks load as FSDP2 shards (from both) and one process as plain tensors
-    (from the shards), element for element (full tensors on both sides); a checkpoint saved before the first
-    optimizer step loads as one: AdamW without state."""
+    """The parameters, both AdamW moments, AdamW's step, the EMA shadow and a method's extra state that 2 ranks save,
+    as FSDP2 shards and as the plain tensors DDP keeps, are what 3 ranks load as FSDP2 shards (from both) and one
+    process as plain tensors (from the shards), element for element (full tensors on both sides); a checkpoint saved
+    before the first optimizer step loads as one: AdamW without state."""
     script = tmp_path / "reshard.py"
     script.write_text(f"import sys\nfrom pathlib import Path\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
                       "import common, test_fsdp\nwith common.ends_process():\n"
@@ -117,9 +117,10 @@ def toy_state(rt, layout: str):
 
 def reshard(mode: str, folder):
     """save: for each layout, a checkpoint before any step, 2 AdamW + EMA steps of the toy model on this run's ranks,
-    a checkpoint, and the full states (saved.pt), in folder/<layout>. load (FSDP2) and load-plain (plain tensors,
-    from the FSDP2 checkpoint): both checkpoints into a fresh model, optimizer and EMA, compared with saved.pt (the
-    first leaves AdamW without state, as it was)."""
+    a checkpoint with the weights before the steps as extra state, and the full states (saved.pt), in
+    folder/<layout>. load (FSDP2) and load-plain (plain tensors, from the FSDP2 checkpoint): both checkpoints into a
+    fresh model, optimizer, EMA and zeroed extra state, compared with saved.pt (the first leaves AdamW without state,
+    as it was)."""
     rt = common.setup_runtime(0, 1)
     meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True}
     done = []
@@ -130,12 +131,13 @@ def reshard(mode: str, folder):
         if mode == "save":
             common.save_checkpoint(where, 0, adapter, params, False, optimizer, ema, 0.5, meta, rt)  # no AdamW state
             start = full_state(params, optimizer, ema)
+            old = [q.detach().clone() for q in params]                  # in the layout's own kind of tensor
             for step in range(2):
                 for q in params:
                     q.grad = torch.sin(7 * q.detach() + step)
                 optimizer.step()
                 ema.step(step)
-            common.save_checkpoint(where, 2, adapter, params, False, optimizer, ema, 12.5, meta, rt)
+            common.save_checkpoint(where, 2, adapter, params, False, optimizer, ema, 12.5, meta, rt, {"old": old})
             state = full_state(params, optimizer, ema)                          # collective: every rank
             if rt.is_main:
                 torch.save({"start": start, **state}, where / "saved.pt")
@@ -148,8 +150,12 @@ def reshard(mode: str, folder):
         start, now = saved.pop("start"), full_state(params, optimizer, ema)
         assert not optimizer.state                                                         # AdamW still fresh
         assert all(torch.equal(a, b) for key in ("params", "ema") for a, b in zip(now[key], start[key], strict=True))
-        assert common.load_checkpoint(where / "checkpoints" / "iter_000002", params, optimizer, ema) == 12.5
+        old = [torch.zeros_like(q.detach()) for q in params]
+        extra = {"old": old}
+        assert common.load_checkpoint(where / "checkpoints" / "iter_000002", params, optimizer, ema, extra) == 12.5
         loaded = full_state(params, optimizer, ema)
+        old = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in old]
+        assert all(torch.equal(a, b) for a, b in zip(old, start["params"], strict=True))
         assert loaded.keys() == saved.keys()
         for key in ("params", "exp_avg", "exp_avg_sq", "step", "ema"):
             assert len(loaded[key]) == len(saved[key]) == len(params), key

@@ -160,8 +160,8 @@ def test_resuming_appends_a_marker_and_changes_nothing_else(tmp_path):
     assert after["metrics.jsonl"].startswith(before["metrics.jsonl"]) and len(grown) == 3
     ckpt = r / "checkpoints" / "iter_000002"
     assert json.loads(grown[0]) == {"resumed": {"from_iteration": 2, "checkpoint": str(ckpt.resolve()),
-                                                "args": json.loads((r / "args.json").read_text()) | {"iterations": 3,
-                                                                                                    "resume": str(r)}}}
+                                                "args": common.read_own_json(r / "args.json") | {"iterations": 3,
+                                                                                                "resume": str(r)}}}
     assert [json.loads(ln)["iteration"] for ln in grown[1:]] == [2, 3]
     assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
     assert read_metrics(r)[2] == json.loads(grown[1])                   # the last line of an iteration counts
@@ -181,7 +181,7 @@ def test_resume_into_another_runs_folder_is_refused_and_an_empty_one_starts_its_
     assert snapshot(a) == before_a
     assert [m["iteration"] for m in read_metrics(c)] == [2, 3]        # not a's lines: its marker names a's checkpoint
     assert markers(c) == [{"from_iteration": 2, "checkpoint": str((a / "checkpoints" / "iter_000002").resolve()),
-                           "args": json.loads((c / "args.json").read_text())}]
+                           "args": common.read_own_json(c / "args.json")}]
 
 
 def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_the_older_checkpoint(tmp_path):
@@ -261,27 +261,37 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
         run(flow_grpo, [*tiny(), "--resume", "auto"])
 
 
-@pytest.mark.parametrize("module,flags,message", [
-    ("v_grpo", [], "was trained by flow_grpo.py, not v_grpo.py: resume it with flow_grpo.py"),
-    ("flow_grpo", ["--lora-alpha", "16"], "has --lora-alpha 8.0, this run 16.0: pass --lora-alpha 8.0"),
-    ("flow_grpo", ["--lora-rank", "8", "--lora-alpha", "8"], "has --lora-rank 4, this run 8: pass --lora-rank 4"),
-    ("flow_grpo", ["--ema"], "was trained without EMA and this run has --ema"),
-    ("flow_grpo", lambda: tiny_argv("flow_grpo", "sd3"), "has --model flux, this run sd3: pass --model flux"),
+@pytest.mark.parametrize("module,flags,differ", [
+    ("v_grpo", [], "trainer flow_grpo, this run has trainer v_grpo: resume with the same trainer and flags "
+                   "(flow_grpo.py)"),
+    ("flow_grpo", ["--lora-alpha", "16"], "lora_alpha 8.0, this run has lora_alpha 16.0: resume with the same "
+                                          "trainer and flags (--lora-alpha 8.0)"),
+    ("flow_grpo", ["--lora-rank", "8", "--lora-alpha", "8"], "lora_rank 4, this run has lora_rank 8: resume with the "
+                                                             "same trainer and flags (--lora-rank 4)"),
+    ("flow_grpo", ["--ema"], "ema False, this run has ema True: resume with the same trainer and flags (--no-ema)"),
+    ("flow_grpo", lambda: tiny_argv("flow_grpo", "sd3"), "model flux, this run has model sd3: resume with the same "
+                                                         "trainer and flags (--model flux)"),
+    ("flow_grpo", ["--lora-rank", "8", "--ema"], "lora_rank 4, ema False, this run has lora_rank 8, ema True: resume "
+                                                 "with the same trainer and flags (--lora-rank 4 --no-ema)"),
 ])
-def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, message, tmp_path):
+def test_resume_refuses_a_checkpoint_that_does_not_match(module, flags, differ, tmp_path, capsys):
     a = tmp_path / "a"
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
-    with pytest.raises(common.UsageError, match=message):
-        run(importlib.import_module(module), [*tiny(module), "--iterations", "2", "--resume", str(a),
-                                              *(flags() if callable(flags) else flags)])
+    before = snapshot(a)
+    mod = importlib.import_module(module)
+    err = one_error_line(capsys, mod, [*tiny(module), "--iterations", "2", "--resume", str(a),
+                                       *(flags() if callable(flags) else flags)])
+    assert f"error: checkpoint {a / 'checkpoints' / 'iter_000001'} was trained with {differ}\n" in err, err
+    assert snapshot(a) == before
 
 
 def test_a_folder_with_a_corrupt_checkpoint_json_is_refused(tmp_path, capsys):
     a = tmp_path / "a"
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     (a / "checkpoints" / "iter_000001" / "checkpoint.json").write_text('{"trainer": "flow_grpo"')
-    message = "has no readable checkpoint.json: it is not a checkpoint of these trainers or it is corrupt"
-    with pytest.raises(common.UsageError, match=message):
+    message = f"{a / 'checkpoints' / 'iter_000001'} is not a checkpoint this code wrote: checkpoint.json does not " \
+              f"read (JSONDecodeError: "
+    with pytest.raises(common.UsageError, match=re.escape(message)):
         run(flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a)])
     err = one_error_line(capsys, flow_grpo, [*tiny(), "--iterations", "2", "--resume", str(a), "--output-dir",
                                              str(tmp_path / "b")])
@@ -296,11 +306,37 @@ def test_trainable_tensors_that_do_not_fit_are_refused_in_one_line(tmp_path):
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     saved = trained_params(a, 1)
     wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
-    with pytest.raises(common.UsageError, match=r"state/ does not load into this run \(\w+: .*\); it is corrupt") as e:
+    refused = "is not a checkpoint this code wrote: state/ does not load ("
+    with pytest.raises(common.UsageError, match=re.escape(refused) + r"ValueError: Size mismatch") as e:
         common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, None, None)
     assert "\n" not in str(e.value)
-    with pytest.raises(common.UsageError, match=f"holds {len(saved)} trainable tensors and this model 1"):
+    with pytest.raises(common.UsageError, match=re.escape(f"{refused}ValueError: it holds {len(saved)} trainable "
+                                                          f"tensors and this model 1)")):
         common.load_checkpoint(a / "checkpoints" / "iter_000001", saved[:1], None, None)
+
+
+def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
+    """TrainingLoop's extra_state (a tensor, a list of tensors) goes into state/ with the rest and loads back in
+    place, bit for bit; a checkpoint without the extra state a run expects is refused in one line."""
+    rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
+                                            "ema": False}
+    adapter = common.load_model("toy", rt)
+    params = common.add_lora(adapter.transformer, 0, 0.0, [])
+    optimizer = torch.optim.AdamW(params)
+    old = torch.randn(5, 3, dtype=torch.float64)                          # dtypes are kept: float64, int64
+    pair = [torch.randn(4), torch.arange(6, dtype=torch.int64)]
+    with_extra = common.save_checkpoint(tmp_path / "a", 1, adapter, params, False, optimizer, None, 2.5, meta, rt,
+                                        {"old": old, "pair": pair})
+    without = common.save_checkpoint(tmp_path / "b", 1, adapter, params, False, optimizer, None, 2.5, meta, rt)
+    into = {"old": torch.zeros_like(old), "pair": [torch.zeros_like(t) for t in pair]}
+    same = into["old"], *into["pair"]
+    assert common.load_checkpoint(with_extra, params, optimizer, None, into) == 2.5
+    assert all(a is b for a, b in zip((into["old"], *into["pair"]), same, strict=True))   # in place
+    assert torch.equal(into["old"], old) and all(torch.equal(a, b) for a, b in zip(into["pair"], pair, strict=True))
+    with pytest.raises(common.UsageError, match=re.escape(f"{without} is not a checkpoint this code wrote: state/ "
+                                                          f"does not load (") + ".*extra.old") as e:
+        common.load_checkpoint(without, params, optimizer, None, into)
+    assert "\n" not in str(e.value)
 
 
 def test_a_refused_resume_leaves_the_folder_as_it_was(tmp_path, capsys, monkeypatch):
@@ -340,25 +376,37 @@ def write(name, data):
     return lambda checkpoint: (checkpoint / name).write_bytes(data(checkpoint / name) if callable(data) else data)
 
 
-STATE = "its training state state/ is unreadable"
+def edit(key, value):
+    """A damage: checkpoint.json with `key` set to `value`, still JSON (its sha256 left as it was)."""
+    return write("checkpoint.json", lambda p: json.dumps({**json.loads(p.read_text()), key: value}).encode())
+
+
+STATE, JSON = "state/ does not load (", "checkpoint.json "
 DAMAGES = {
-    "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + " (KeyError: 'no params.0 in it')"),
-    "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + " (KeyError: 'no params.0 in it')"),
-    "no parameter groups": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups": []}}),
-                            STATE + " (KeyError: 'no optimizer.param_groups.0 in it')"),
+    "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + "RuntimeError: Missing key"),
+    "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + "RuntimeError: Missing key in "
+                                                                                  "checkpoint state_dict: params.0"),
+    "no parameter groups": (rewrite_state(lambda s: {**s, "optimizer": {"state": s["optimizer"]["state"]}}),
+                            STATE + "RuntimeError: Missing key in checkpoint state_dict: optimizer.param_groups.0"),
     "no optimizer state": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {}}}),
-                           STATE + " (KeyError: 'no optimizer.state.0 in it')"),
+                           STATE + "RuntimeError: Missing key in checkpoint state_dict: optimizer.state.0"),
     "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
         **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
-        "its training state state/ does not load into this run (ValueError: Size mismatch"),
-    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE + " (UnpicklingError"),
-    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE + " (UnpicklingError"),
-    **{f"checkpoint.json {what}": (write("checkpoint.json", data), "has no readable checkpoint.json")
-       for what, data in [("an array", b"[1, 2, 3]"), ("empty", b""),
-                          *((f"with {key} {value}", lambda p, k=key, v=value: json.dumps(
-                              {**json.loads(p.read_text()), k: v}).encode())
-                            for key, value in [("iteration", -5), ("world_size", 0), ("elapsed", -1.0),
-                                               ("lora_rank", -4), ("iteration", "3")])]},
+        STATE + "ValueError: Size mismatch"),
+    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), STATE),
+    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE),
+    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE),
+    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), STATE),
+    "no checkpoint.json": (lambda checkpoint: (checkpoint / "checkpoint.json").unlink(), "no checkpoint there"),
+    "checkpoint.json an array": (write("checkpoint.json", b"[1, 2, 3]"), JSON + "is a JSON list, not an object"),
+    "checkpoint.json empty": (write("checkpoint.json", b""), JSON + "does not read (JSONDecodeError: Expecting value"),
+    "checkpoint.json not UTF-8": (write("checkpoint.json", b'{"model": "caf\xe9"}'), JSON + "does not read ("
+                                                                                         "UnicodeDecodeError"),
+    "checkpoint.json without its sha256": (write("checkpoint.json", lambda p: json.dumps({
+        k: v for k, v in json.loads(p.read_text()).items() if k != "sha256"}).encode()), JSON + "has no sha256"),
+    **{f"checkpoint.json with {key} {value!r}": (edit(key, value), JSON + "does not match its sha256")
+       for key, value in [("iteration", 2), ("iteration", -5), ("world_size", 0), ("elapsed", -1.0),
+                          ("lora_rank", -4), ("iteration", "3"), ("ema", True), ("sha256", "0" * 64)]},
 }
 
 
@@ -371,8 +419,11 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(damag
     harm(ckpt)
     before = snapshot(r)
     err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", "--resume", str(r)])
-    assert f"{ckpt}" in err and message in err and ("earlier checkpoints/iter_*" in err or "pass another" in err), err
-    assert snapshot(r) == before and sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
+    if message != "no checkpoint there":
+        assert f"error: {ckpt} is not a checkpoint this code wrote: {message}" in err, err
+        assert err.endswith("; pass another checkpoint, or resume from an earlier one in a new --output-dir\n"), err
+    assert message in err and snapshot(r) == before and sorted(os.listdir(r / "checkpoints")) == ["iter_000003",
+                                                                                                "latest"]
 
 
 def test_checkpoints_are_written_with_the_process_umask(tmp_path):

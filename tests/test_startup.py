@@ -71,10 +71,11 @@ STARTUP = [
     (["--prompts", "{tmp}/deep.jsonl"], "deep.jsonl:1 is not a JSON object"),
     (["--output-dir", ""], "--output-dir '' is empty"),
     (["--resume", ""], "--resume '' is empty"),
-    (["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 has no readable checkpoint.json"),
-    (["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 has no readable checkpoint.json: it is not a "
-                                                 "checkpoint of these trainers or it is corrupt (it must name one of "
-                                                 "the models toy, flux, sd3"),
+    (["--resume", f"{CHECKPOINTS}/iter_000001"], "iter_000001 is not a checkpoint this code wrote: checkpoint.json "
+                                                 "does not read (JSONDecodeError"),
+    (["--resume", f"{CHECKPOINTS}/iter_000002"], "iter_000002 is not a checkpoint this code wrote: checkpoint.json "
+                                                 "has no sha256; pass another checkpoint, or resume from an earlier "
+                                                 "one in a new --output-dir"),
     (["--reward", "toy:1e39"], "weight 1e39 for reward 'toy' in --reward 'toy:1e39' is beyond float32"),
     (["--model", "flux", "--reward", "toy"], "--reward toy scores the toy world's shapes, not flux images"),
     (["--model", "sd3", "--reward", "jpeg,toy-soft:0.5"], "scores the toy world's shapes, not sd3 images"),
