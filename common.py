@@ -1491,16 +1491,9 @@ class Run:
 
 
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
-    """Decides the run folder and checkpoint before any model loads and claims the folder until the run ends (rank 0
-    decides and holds it, _hold_folder; every rank gets the answer or the same UsageError; one another live run holds
-    is refused). A run folder only grows (nothing but .lock is moved, rewritten or deleted), so a run continues in
-    place only from its newest checkpoint.
-      - fresh: --output-dir, or a new runs/<trainer>-<model>-<time>-<random>; a folder holding a run is refused;
-      - --resume <run or checkpoint folder>: continues in --output-dir (default: the checkpoint's run folder), which
-        may hold a run only if this is its newest checkpoint; it must match the run's meta and lie within --iterations;
-      - --resume auto: the newest complete checkpoint in --output-dir, or a fresh start there.
-    Only the folder and its .lock are written here; args.json or the resume marker once the checkpoint has loaded
-    (Run.log_start), neither under --preflight."""
+    """Decides the run folder and the checkpoint --resume continues before any model loads, and claims the folder
+    until the run ends (rank 0 decides; every rank gets its answer or its UsageError). A run folder only grows, so a
+    run continues in place only from its newest checkpoint (README, Outputs and metrics)."""
     meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "ema": args.ema}
     run = None

@@ -2,9 +2,9 @@
 tests/, where trainers are not looked for). The rollout is the ODE; the update needs no likelihood ratio: a
 reward-weighted flow-matching loss between two implicit policies built from the trained velocity and an old one, as
 DiffusionNFT's (arXiv 2509.16117), simplified: v+ = (1 - b) v_old + b v, v- = (1 + b) v_old - b v, the loss
-r |v+ - u|^2 + (1 - r) |v- - u|^2 with u = eps - x0 and r in [0, 1] from the clipped group advantage. The old policy is a
-soft copy of the weights (common.EMA without warm-up), checkpointed as the method's own state (extra_state). It logs
-no ratio and no KL: tests/test_fork.py runs it through --preflight and --resume.
+r |v+ - u|^2 + (1 - r) |v- - u|^2 with u = eps - x0 and r in [0, 1] from the clipped group advantage. The old policy
+is a soft copy of the weights (common.EMA without warm-up), checkpointed as the method's own state (extra_state). It
+logs no ratio and no KL: tests/test_fork.py runs it through --preflight and --resume.
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class Args(flow_grpo.Args):
 
 
 MODEL_DEFAULTS: dict = {}
+
+
+def flow_matching_error(v: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean squared error of a velocity against the flow-matching target. (n,)."""
+    return rearrange(F.mse_loss(v, target, reduction="none"), "n ... -> n (...)").mean(1)
 
 
 def main(args: Args) -> dict:
@@ -95,9 +100,8 @@ def main(args: Args) -> dict:
                     v_old = adapter.velocity(transformer, xt, t, c)
                 with common.no_sync(net, m != chunk[-1]):
                     v = adapter.velocity(net, xt, t, c)
-                    per_sample = lambda w: rearrange(F.mse_loss(w, eps - x0, reduction="none"), "n ... -> n (...)")
-                    loss = (r[idx] * per_sample((1 - b) * v_old + b * v).mean(1)
-                            + (1 - r[idx]) * per_sample((1 + b) * v_old - b * v).mean(1)).mean()
+                    loss = (r[idx] * flow_matching_error((1 - b) * v_old + b * v, eps - x0)
+                            + (1 - r[idx]) * flow_matching_error((1 + b) * v_old - b * v, eps - x0)).mean()
                     guard.backward(loss / len(chunk))
                 stats.add(loss=loss)
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)
