@@ -1235,14 +1235,12 @@ class TrainingLoop:
         self.optimizer, self.ema, self.extra_state = optimizer, ema, extra_state
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
         elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state) if run.checkpoint else 0.0
-        if rt.is_main and not args.preflight:  # the first write: every check before it has passed
+        if rt.is_main:  # the first write: every check before it has passed
             run.log_start()
         self.t0 = time.time() - elapsed
-        wandb = args.wandb and not args.preflight
-        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if wandb else None)
+        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if args.wandb else None)
         self.it, self.metrics, self.dirty = run.start, {}, False
         optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
-        Preflight.active = self.preflight = Preflight(self) if args.preflight else None
         TrainingLoop.active = self
 
     def seconds(self) -> float:
@@ -1257,13 +1255,11 @@ class TrainingLoop:
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called at
         each iteration's start, after each rollout micro-batch and before the update (the rollout is dropped). Nothing
-        is saved under --preflight or before the run's first optimizer step (the state it started from)."""
+        is saved before the run's first optimizer step (the state it started from)."""
         signum = signalled(self.rt.device)
         if not signum:
             return
         name, code = signal.Signals(signum).name, 128 + signum
-        if self.preflight:
-            raise TrainingStopped(f"preflight stopped by {name}; nothing was saved", exit_code=code)
         if it == self.run.start:  # the state it started from
             start = self.run.checkpoint.name if self.run.checkpoint else "the untrained weights"
             raise TrainingStopped(f"stopped by {name} before the first optimizer step since the start from {start}, "
@@ -1280,9 +1276,7 @@ class TrainingLoop:
         optimizer step nothing is saved (rerun the command); if no step of this iteration has run, its starting state
         is checkpointed (by the signal stop if a signal cut a blocking call short); else the newest one is named."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
-        if self.preflight and intact and isinstance(e, TrainingStopped):  # a scorer failed: the table, with its row
-            self.preflight.failed(e)
-        if not intact or self.preflight:  # a preflight never leaves a checkpoint
+        if not intact:
             raise e
         what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
         if not isinstance(e, TrainingStopped):
@@ -1317,14 +1311,10 @@ class TrainingLoop:
 
     def begin(self, it: int) -> dict | None:
         """Starts iteration `it`: stops on a signal, evaluates when due, returns its metrics line. The last one
-        (--iterations or --time-budget reached) is logged at once, with a DDP replica check, and None is returned.
-        Under --preflight: the preflight's first checks, then its one measured iteration, whatever is due."""
+        (--iterations or --time-budget reached) is logged at once, with a DDP replica check, and None is returned."""
         a = self.args
         self.stop_if_signalled(it)
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
-        if self.preflight:
-            self.preflight.begin(it)
-            return self.metrics
         last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
         if a.eval_every and (it % a.eval_every == 0 or last):
             self.metrics.update(self.evaluate(it))
@@ -1337,9 +1327,7 @@ class TrainingLoop:
         return None
 
     def end(self, metrics: dict):
-        """Logs the iteration's line and checkpoints every --save-every iterations; --preflight reports and stops."""
-        if self.preflight:
-            self.preflight.end(metrics)
+        """Logs the iteration's line and checkpoints every --save-every iterations."""
         metrics["time_s"] = self.seconds()
         self.logger.log(metrics)
         done, a = self.it + 1, self.args
@@ -1372,8 +1360,6 @@ class StepGuard:
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
         self.scaler = torch.amp.GradScaler(device.type) if loss_scaling else None
         self.losses_finite = True
-        if Preflight.active:  # --preflight: the backward passes are timed with the other model calls
-            self.backward = Preflight.active.timed(self.backward)
 
     def backward(self, loss: torch.Tensor):
         if self.scaler is None:
@@ -1385,8 +1371,6 @@ class StepGuard:
         """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        if Preflight.active:  # --preflight: the first step's gradients, before clipping
-            Preflight.active.see_gradients(params, overflow_possible=self.scaler is not None and self.losses_finite)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
         flags = all_ranks([torch.isfinite(norm.detach()), self.losses_finite], self.device, dist.ReduceOp.MIN)
@@ -2102,330 +2086,153 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
 
 
 # ==============================================================================================================
-# 10. Preflight (--preflight): the run's set-up, one measured iteration of its own code and the whole run's cost,
-#     checked before a long run. Rows are (check, value, expected, status, advice); advice is said for a FAIL.
+# 10. Preflight (--preflight): one iteration of the trainer's own main, judged by what it logs and leaves, and the run's
+#     cost (README, Before a long run). Rows: (check, value, expected, status PASS / WARN / FAIL / - / n/a, advice).
 # ==============================================================================================================
-PREFLIGHT_IMAGES = 16          # evaluation images per rank: one batch of `evaluate`
-
-
-PROMPT_SE = 2.0                # right prompts must beat shifted ones by this many standard errors
-
-
-ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # first-update |ratio - 1| and KL; GPU: the smallest --clip-range
-
-
-# One optimizer step's size, from the second step's micro-batches (rollout samples scored after the first step): a
-# ratio moved by 1 or more (a sample's likelihood halved, doubled or gone) is far outside any clip range (1e-5 to
-# 0.2), and 0.1 nats of KL is 50x the largest the defaults take (toy: |ratio - 1| 0.003-0.12, KL 1e-6 to 2e-3).
-STEP_LIMITS = {"ratio_dev": 1.0, "approx_kl": 0.1}
-GRAD_WARN = 100  # a gradient norm this many times --grad-clip: clipping hides a loss or learning rate far off
-
-
-BASE_RANGES = {"pickscore": (0.81, 0.90), "hpsv2": (0.24, 0.32), "aesthetic": (4.8, 6.2),  # base-model means
-               "imagereward": (0.3, 1.3), "toy": (0.6, 1.0)}                             # (README, Preflight)
-
-
-def shutdown_grace() -> float | None:
-    """Seconds from SIGTERM to SIGKILL this process can count on: under torchrun its --shutdown-timeout, which it
-    reads from TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set (else 30 s); None outside torchrun (the scheduler decides)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+PROMPT_SE = 2.0                      # right prompts must beat shifted ones by this many standard errors
+PROMPT_FREE = {"jpeg", "aesthetic"}  # the scorers that read no prompt; every other one must be prompt-sensitive
+ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # each *_first_update metric at a fresh start; GPU: the smallest clip
+STEP_LIMIT = 1.0  # |theta_after - theta_before| / |theta_before| of the iteration; toy: 0.0007-0.005, --lr 1: 20-36
+GRAD_WARN = 100   # a gradient norm this many times --grad-clip: clipping hides a loss or learning rate far off
 
 
 def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
-    """A table row; ok None: information only; a failed check WARNs with `warn`, else it FAILs; either says `advice`."""
-    status = "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
+    """A row; ok None: information, "n/a": not logged; a failed check FAILs, or WARNs with `warn`, saying `advice`."""
+    status = ok if isinstance(ok, str) else "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
     return check, str(value), expected, status, advice if status in ("FAIL", "WARN") else ""
 
 
-class Preflight:
-    """--preflight, driven by TrainingLoop: begin() checks the set-up, a few evaluation images and each reward on
-    them; the trainer runs one iteration of its own rollout and update, every model call timed and StepGuard reporting
-    the gradients (see_gradients); end() checks the update, projects the run's cost, prints the table, writes
-    preflight.json and stops the run (exit 0 if no row FAILed, else 1), nothing logged or saved."""
+def preflight(main, args):
+    """The flags' checks and run folder as the run takes them, then `main` on a copy of `args`, one iteration from the
+    run's start in a folder inside the run's; the table, a new preflight.json, TrainingStopped (exit 1 on a FAIL)."""
+    from importlib.metadata import version
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    rt = setup_training(args)
+    run = prepare_run(args, rt, Path(main.__code__.co_filename).stem)
+    held, _HELD[:] = _HELD[:], []  # the run folder stays locked: the temporary run's prepare_run releases what it holds
+    dev, tmp, before, extra, cuda = rt.device, run.dir / ".preflight-run", {}, {}, rt.device.type == "cuda"
+    total = torch.cuda.get_device_properties(dev).total_memory if cuda else os.sysconf("SC_PAGE_SIZE") * \
+        os.sysconf("SC_PHYS_PAGES")
+    name = torch.cuda.get_device_name(dev) if cuda else f"CPU, threads {torch.get_num_threads()}"
+    rows = [_row("ranks x device", f"{rt.world_size} x {name}, {total / 2**30:.0f} GiB, {str(rt.dtype)[6:]}"),
+            _row("versions", ", ".join(f"{p} {version(p)}" for p in ("torch", "diffusers", "transformers", "peft")))]
 
-    active: Preflight | None = None  # the running one, which StepGuard reports to
-
-    def __init__(self, loop):
-        self.loop, self.rows, self.grads, self.model_s = loop, [], None, 0.0
-        adapter, reward_fn = loop.adapter, loop.reward_fn
-        self.scorers = {name: fn for name, _, fn in reward_fn.terms}
-        adapter.encode, adapter.velocity, adapter.decode = map(self.timed, (adapter.encode, adapter.velocity,
-                                                                            adapter.decode))
-        reward_fn.terms = [(name, w, self.timed(fn)) for name, w, fn in reward_fn.terms]
-
-    def timed(self, fn):
-        """fn, its seconds (device work included) added to model_s."""
-        def call(*args, **kwargs):
-            _sync(self.loop.rt.device)
-            tic = time.perf_counter()
-            out = fn(*args, **kwargs)
-            _sync(self.loop.rt.device)
-            self.model_s += time.perf_counter() - tic
-            return out
-        return call
-
-    def begin(self, it: int):
-        lp, a, rt = self.loop, self.loop.args, self.loop.rt
-        dev = rt.device
-        total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-        from importlib.metadata import version
-        self.total, self.start = total, it
-        self.rows += [_row("ranks x device", f"{rt.world_size} x {name}, {total / 2**30:.0f} GiB"),
-                      _row("dtype", str(rt.dtype).replace("torch.", "")),
-                      _row("versions", ", ".join(f"{p} {version(p)}" for p in ("torch", "diffusers", "transformers",
-                                                                                "peft")))]
-        modules = {**vars(lp.adapter), **getattr(getattr(lp.adapter, "pipe", None), "components", {})}
-        weights = list({id(p): p for m in modules.values() if isinstance(m, torch.nn.Module)
-                        for p in m.parameters() if not hasattr(p, "to_local")}.values())
-        diff = rank_param_diff(weights)
-        self.rows.append(_row("weights identical on all ranks", f"{diff:.3g}", "0", diff == 0,
-                              "a rank loaded other weights: give every rank the same --model-path and files"))
-        trained = sum(p.numel() * p.element_size() for p in lp.params)   # a DTensor's numel is the whole tensor's
-        self.checkpoint_bytes = trained * (4 + bool(lp.ema))  # weights file, params, 2 AdamW moments, EMA
-        self.saves = 1 + sum(1 for d in range(it + 1, a.iterations) if a.save_every and d % a.save_every == 0)
-        free = shutil.disk_usage(lp.run.dir).free
-        need = self.saves * self.checkpoint_bytes
-        self.rows.append(_row("free disk", f"{free / 2**30:.1f} GiB", f">= {need / 2**30:.2f} GiB ({self.saves} "
-                              f"checkpoints)", free >= need, "free disk space, raise --save-every or pass another "
-                              "--output-dir (checkpoints are never deleted)"))
-        with lp.ema.swapped_in() if lp.ema else contextlib.nullcontext():
-            try:
-                self.generation(lp, a, rt)
-            except TrainingStopped as e:  # a scorer failed on some rank: every rank is here
-                self.failed(e)
-        self.unreachable = self.probe(lp, a)
-        self.before = fingerprint(lp.params)
-        self.model_s, self.tic = 0.0, time.perf_counter()
-
-    def generation(self, lp, a, rt):
-        """Images at the evaluation settings (one timed batch per rank) and each scorer on them."""
-        n = min(a.eval_images, PREFLIGHT_IMAGES * rt.world_size)
-        tic = time.perf_counter()
-        _, rows = evaluate(lp.adapter, lp.adapter.transformer, lp.eval_prompts, n, a.eval_steps, lp.reward_fn, rt,
-                           seed=a.seed)
-        self.eval_s = (time.perf_counter() - tic) * a.eval_images / n     # one whole evaluation, extrapolated
-        images = torch.cat([im for _, im in rows])
-        prompts = [p for p, im in rows for _ in im]
-        pair = [p for p, _ in rows[:2]]                                     # two prompts, the same noise
-        x = torch.cat([lp.adapter.noise(1, make_generator(a.seed))] * len(pair))
-        raw = lp.adapter.decode(sample_ode(lp.adapter, lp.adapter.transformer, lp.adapter.encode(pair), x,
-                                           lp.adapter.sigmas(a.eval_steps)))
-        std = images.flatten(1).std(1).min().item()
-        diff = (raw[0] - raw[-1]).abs().mean().item() if len(pair) > 1 else math.nan
-        ok = bool(torch.isfinite(raw).all())
-        self.rows += [
-            _row("images finite", "yes" if ok else "no", "yes", ok, "the sampler makes NaN / inf: check --dtype "
-                 "and the weights"),
-            _row("image pixel std (least)", f"{std:.3f}", "> 0.01", std > 0.01,
-                 "an image is one flat colour: check the VAE, its latent scaling and --resolution"),
-            _row("images differ across prompts", f"{diff:.3f}", "> 0.001", diff > 1e-3 if len(pair) > 1 else None,
-                 "the prompt does not change the image: check the text encoders and the conditioning")]
-        records = {r["prompt"]: r for r in lp.eval_prompts}
-        shifted = [rows[(r + 1) % len(rows)][0] for r, (_, im) in enumerate(rows) for _ in im]  # another prompt
-        _, right = lp.reward_fn(images, prompts, [records[p] for p in prompts])
-        _, wrong = lp.reward_fn(images, shifted, [records[p] for p in shifted])
-        for name, scorer in self.scorers.items():
-            key, s = short_reward_name(name), right[name].double().cpu()
-            self.rows += [
-                _row(f"{key}: finite", f"{int(torch.isfinite(s).sum())}/{len(s)}", "all", bool(torch.isfinite(s).all()),
-                     "the scorer returns NaN / inf: check its weights and inputs"),
-                _row(f"{key}: spread over images", f"{s.std().item():.3g}", "> 0", s.std().item() > 1e-6,
-                     "every image gets the same score, so every advantage is zero: check the scorer's weights and "
-                     "preprocessing")]
-            if getattr(scorer, "reads_prompt", False) and len(rows) > 1:
-                d = s - wrong[name].double().cpu()
-                se = d.std().item() / math.sqrt(len(d))
-                ok = d.mean().item() > 0 and d.mean().item() >= PROMPT_SE * se
-                self.rows.append(_row(f"{key}: right vs shifted prompts", f"{s.mean().item():.4g} vs "
-                                      f"{wrong[name].mean().item():.4g} ({d.mean().item() / max(se, 1e-12):+.1f} SE)",
-                                      f">= +{PROMPT_SE:g} SE", ok, "the score ignores the prompt: check the scorer's "
-                                      "tokenizer and text input"))
-            if key in BASE_RANGES:
-                lo, hi = BASE_RANGES[key]
-                self.rows.append(_row(f"{key}: mean on base-model images", f"{s.mean().item():.4g}",
-                                      f"{lo:g} - {hi:g}", lo <= s.mean().item() <= hi, warn=True))
-
-    def probe(self, lp, a) -> set:
-        """The trained tensors no loss can reach: losses reach weights through the velocity, so one backward of a
-        random projection of one velocity finds those in the graph with an exactly zero gradient (SD3's last joint
-        block's text stream, which the model drops)."""
-        cond = lp.adapter.encode([lp.eval_prompts[0]["prompt"]])
-        v = lp.adapter.velocity(lp.adapter.transformer, lp.adapter.noise(1, make_generator(a.seed, 1)), 0.5, cond)
-        loss = (v * torch.randn(v.shape, generator=make_generator(a.seed, 2)).to(v)).sum()
-        if any(hasattr(p, "to_local") for p in lp.params):   # FSDP2: its hooks reduce the gradients into .grad
-            loss.backward()
-            grads = [None if p.grad is None else p.grad.to_local() for p in lp.params]
-            lp.optimizer.zero_grad(set_to_none=True)
-        else:                                                # no .grad written, no DDP hook run
-            grads = torch.autograd.grad(loss, lp.params, allow_unused=True)
-        zero = all_ranks([g is not None and not g.any() for g in grads], lp.rt.device, dist.ReduceOp.MIN)
-        return {id(p) for p, z in zip(lp.params, zero) if z}
-
-    def see_gradients(self, params: list, overflow_possible: bool):
-        """From StepGuard.step before clipping, each step of the measured iteration: which gradients are finite and
-        nonzero (over ranks and steps) and the largest norm (fp16 loss scaling: of steps without an overflow)."""
-        grads = [None if p.grad is None else p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in params]
-        dev = self.loop.rt.device
-        finite_ = [v > 0 for v in all_ranks([g is None or bool(torch.isfinite(g).all()) for g in grads], dev,
-                                            dist.ReduceOp.MIN)]
-        nonzero = [v > 0 for v in all_ranks([g is not None and bool(g.any()) for g in grads], dev, dist.ReduceOp.MAX)]
-        if overflow_possible and not all(finite_):
-            return                                            # the scaler backs off; the next step is recorded
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()       # FSDP2: over all shards
-        if self.grads is not None:
-            g = self.grads
-            g["finite"] = [x and y for x, y in zip(g["finite"], finite_)]
-            g["nonzero"] = [x or y for x, y in zip(g["nonzero"], nonzero)]
-            g["norm"] = max(g["norm"], norm)
-            return
-        index = {id(q): n for n, q in self.loop.adapter.transformer.named_parameters()}
-        names = [index.get(id(p), str(i)) for i, p in enumerate(params)]
-        by_name = dict(zip(names, params))
-        # a fresh LoRA's A gets no gradient while its B is still zero (peft starts B at 0)
-        zero_b = {i for i, n in enumerate(names) if "lora_A" in n and n.replace("lora_A", "lora_B") in by_name
-                  and not by_name[n.replace("lora_A", "lora_B")].detach().any()}
-        self.grads = {"finite": finite_, "nonzero": nonzero, "norm": norm, "zero_b": zero_b, "names": names}
-
-    def gradient_rows(self, a) -> list:
-        """Gradient rows: finite, reaching every tensor that can get one, and the norm."""
-        g, n, clip = self.grads, len(self.loop.params), a.grad_clip
-        if g is None:
-            return [_row("gradients finite", "no optimizer step", "all", False, "the iteration took no optimizer step")]
-        ids = [id(p) for p in self.loop.params]
-        exempt = [i for i in range(n) if not g["nonzero"][i] and i in g["zero_b"]]
-        cannot = [i for i in range(n) if not g["nonzero"][i] and ids[i] in self.unreachable and i not in exempt]
-        starved = [g["names"][i] for i in range(n) if not g["nonzero"][i] and i not in exempt + cannot]
-        notes = ([f"{len(cannot)} cannot get one: {', '.join(g['names'][i] for i in cannot[:2])}"] if cannot else []) \
-            + ([f"{len(exempt)} lora_A exempt while lora_B = 0"] if exempt else [])
-        return [
-            _row("gradients finite", f"{sum(g['finite'])}/{n}", "all", all(g["finite"]),
-                 "NaN / inf gradients: a non-finite reward or loss, or a --lr / --dtype too aggressive"),
-            _row("tensors with a gradient", f"{n - len(starved)}/{n}" + (f" ({'; '.join(notes)})" if notes else ""),
-                 "all", not starved, f"no gradient reaches {', '.join(starved[:3])}: are they in the forward pass (the "
-                 f"LoRA targets) and in the loss (all-zero advantages reach none)?"),
-            _row("gradient norm before clipping (largest)", f"{g['norm']:.3g}", f"<= {GRAD_WARN} x clip {clip:g}",
-                 g["norm"] <= GRAD_WARN * clip, f"the gradient is {g['norm'] / clip:.3g}x the clip: the loss or the "
-                 f"rewards are far off in scale, or --lr is", warn=True)]
-
-    def end(self, metrics: dict):
-        lp, a, rt = self.loop, self.loop.args, self.loop.rt
-        _sync(rt.device)
-        iteration_s = time.perf_counter() - self.tic
-        tol = ON_POLICY_TOL[rt.device.type]
-        ratio, kl, zero, ratio2, kl2 = all_ranks(
-            [metrics.get(k, d) for k, d in (("ratio_dev_first_update", math.nan), ("kl_first_update", math.nan),
-                                            ("zero_std_frac", 0.0), ("ratio_dev_second_update", math.nan),
-                                            ("approx_kl_second_update", math.nan))], rt.device, dist.ReduceOp.MAX)
-        moved = int(all_ranks([(self.before.view(-1, 2) != fingerprint(lp.params).view(-1, 2)).any(1).sum()],
-                              rt.device, dist.ReduceOp.MAX)[0])
-        with_gradient = sum(self.grads["nonzero"]) if self.grads else 0
-        step_advice = "one optimizer step took the policy far outside the clip range: lower --lr"
-        if "ratio_dev_second_update" in metrics:
-            step = [_row("one step's size: max abs(ratio - 1)", f"{ratio2:.3g}", f"< {STEP_LIMITS['ratio_dev']:g}",
-                         ratio2 < STEP_LIMITS["ratio_dev"], step_advice),
-                    _row("one step's size: approx KL", f"{kl2:.3g}", f"<= {STEP_LIMITS['approx_kl']:g}",
-                         kl2 <= STEP_LIMITS["approx_kl"], step_advice)]
-        else:
-            step = [_row("one step's size", "not measured: one optimizer step per iteration")]
-        self.rows += [
-            _row("groups with all rewards equal", f"{zero:.2f}", "< 0.5", zero < 0.5, "every advantage is zero, "
-                 "nothing trains: raise --group-size or use a reward with more spread", warn=zero < 1),
-            _row("first update max abs(ratio - 1)", f"{ratio:.3g}", f"<= {tol:g}", ratio <= tol,
-                 "the update's log-probs differ from the rollout's: the same micro-batches, dtype and train/eval "
-                 "mode in both"),
-            _row("first update KL", f"{kl:.3g}", f"<= {tol:g}" if self.start == 0 else "(resumed)",
-                 kl <= tol if self.start == 0 else None, "the KL reference is not the starting policy"),
-            *self.gradient_rows(a), *step,
-            _row("parameters moved", f"{moved}/{len(lp.params)}", f">= {with_gradient} (those with a gradient)",
-                 moved >= with_gradient and moved > 0,
-                 "the optimizer step changed no weights: is the optimizer built on the trained parameters?")]
-        if rt.distributed and not a.fsdp:
-            diff = rank_param_diff(lp.params)
-            self.rows.append(_row("replicas agree after the update", f"{diff:.3g}", "0", diff == 0,
-                                  "the ranks' weights drifted apart: every rank must take the same optimizer step"))
-        import resource
-        peak = torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024       # Linux: kB
-        peak = all_ranks([peak], rt.device, dist.ReduceOp.MAX)[0]
-        self.rows.append(_row("peak memory per device", f"{peak / 2**30:.2f} GiB of {self.total / 2**30:.0f}",
-                              "< 90%", peak < 0.9 * self.total, warn=True))
-        # a trial checkpoint, written and removed: its size, and the worst signal-to-checkpoint time (update + save)
-        trial = broadcast_object(lp.run.dir / f".preflight-checkpoint-{os.getpid()}")
-        _sync(rt.device)
-        tic = time.perf_counter()
-        write_checkpoint(trial, {**lp.run.meta, "iteration": 0, "elapsed": 0.0}, lp.adapter, lp.params,
-                         a.lora_rank > 0, lp.optimizer, lp.ema, rt, "the preflight's trial checkpoint")
-        barrier()
-        save_s = time.perf_counter() - tic
+    def first_step(optimizer, *_):  # the trained tensors (FSDP2: this rank's shards) before the first step, on the CPU
+        if not before:
+            before.update({id(p): (p.to_local() if hasattr(p, "to_local") else p).detach().to("cpu", copy=True)
+                           for g in optimizer.param_groups for p in g["params"]})
+    hook = register_optimizer_step_pre_hook(first_step)  # every optimizer's
+    try:
         if rt.is_main:
-            self.checkpoint_bytes = sum(f.stat().st_size for f in trial.rglob("*") if f.is_file())
-            shutil.rmtree(trial)
-        self.checkpoint_bytes = broadcast_object(self.checkpoint_bytes)
-        worst, grace = metrics.get("t_update", iteration_s) + save_s, shutdown_grace()
-        need = 2 * math.ceil(worst)
-        self.rows.append(_row("signal to checkpoint, s (worst)", f"{worst:.1f} (update {worst - save_s:.1f}, save "
-                              f"{save_s:.1f})", f"<= {grace:g} (torchrun's grace)" if grace else "",
-                              worst <= grace if grace else None, f"torchrun SIGKILLs {grace} s after SIGTERM: pass "
-                              f"torchrun --shutdown-timeout {need} (or set TORCH_ELASTIC_SHUTDOWN_TIMEOUT={need}) and "
-                              f"have the scheduler signal that early (Slurm: --signal=TERM@{need})", warn=True))
-        # the projection: the measured iteration and evaluation, multiplied out
-        iters = a.iterations - self.start
-        evals = sum(1 for i in range(self.start, a.iterations + 1) if a.eval_every and (i % a.eval_every == 0 or
-                                                                                        i == a.iterations))
-        hours = (iters * iteration_s + evals * self.eval_s) / 3600
-        split = ", ".join(f"{k[2:]} {v:.2f}" for k, v in metrics.items() if k.startswith("t_"))
-        self.rows += [_row("one iteration, s", f"{iteration_s:.2f} ({split})"),
-                      _row("one evaluation, s", f"{self.eval_s:.2f}"),
-                      _row("whole run", f"{hours:.3g} h, {hours * rt.world_size:.3g} device-hours",
-                           f"{iters} iterations, {evals} evaluations"),
-                      _row("checkpoints on disk", f"{self.saves * self.checkpoint_bytes / 2**30:.2f} GiB",
-                           f"{self.saves} x {self.checkpoint_bytes / 2**30:.3f} GiB")]
-        self.report({"measured": {"iteration_s": iteration_s, "eval_s": self.eval_s, "model_s": self.model_s,
-                                  "overhead": iteration_s / self.model_s if self.model_s else None,
-                                  "peak_bytes": peak, "total_bytes": self.total},
-                     "projection": {"iterations": iters, "evaluations": evals, "saves": self.saves, "hours": hours,
-                                    "device_hours": hours * rt.world_size, "checkpoint_bytes": self.checkpoint_bytes,
-                                    "disk_bytes": self.saves * self.checkpoint_bytes},
-                     "metrics": {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                                 for k, v in metrics.items()}})
-
-    def failed(self, e: TrainingStopped):
-        """A scorer failed on some rank: the table so far with a failing row, and a stop (exit 1)."""
-        self.rows.append(_row("rewards scored", str(e), "scores", False, "fix the scorer or its server"))
-        self.report({})
-
-    def report(self, extra: dict):
-        """Prints the table, writes it with `extra` to a new preflight.json and stops the run (exit 1 on a FAIL)."""
-        lp, rt = self.loop, self.loop.rt
-        fails = int(all_ranks([sum(r[3] == "FAIL" for r in self.rows)], rt.device, dist.ReduceOp.MAX)[0])
-        report = {"passed": not fails, "rows": [dict(zip(("check", "value", "expected", "status", "advice"), r))
-                                                for r in self.rows], **extra}
-        names = (lp.run.dir / f"preflight{f'-{i}' if i else ''}.json" for i in itertools.count())
-        path = broadcast_object(next(p for p in names if not p.exists()) if rt.is_main else None)  # keeps older ones
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a preflight that was killed
+        main(dataclasses.replace(args, preflight=False, output_dir=str(tmp), iterations=run.start + 1, eval_every=0,
+                                 save_every=0, wandb=False, time_budget=0.0,
+                                 resume=str(run.checkpoint) if run.checkpoint else None))
+        rows += _judge(TrainingLoop.active, args, run, before, total, extra)
+    except TrainingStopped as e:  # a scorer failed or the steps went non-finite, on every rank
+        if signalled(dev):
+            raise TrainingStopped("preflight stopped by a signal; nothing was trained or saved", e.exit_code) from None
+        rows.append(_row("ran to its end", str(e), "yes", False, "fix what stopped it (a scorer: it or its server)"))
+    finally:
+        hook.remove()
+        TrainingLoop.active = None  # run_cli saves nothing of the temporary run
         if rt.is_main:
-            write_atomic(path, json.dumps(report, indent=2))
-            print(preflight_table(self.rows), flush=True)
-        Preflight.active = None
-        raise TrainingStopped(f"preflight {'FAILED ' + str(fails) + ' check(s)' if fails else 'passed'}; report in "
-                              f"{path}; nothing was trained or saved", exit_code=1 if fails else 0)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _HELD.extend(held)
+    fails = int(all_ranks([sum(r[3] == "FAIL" for r in rows)], dev, dist.ReduceOp.MAX)[0])
+    names = (run.dir / f"preflight{f'-{i}' if i else ''}.json" for i in itertools.count())
+    path = broadcast_object(next(p for p in names if not p.exists()) if rt.is_main else None)  # keeps older ones
+    if rt.is_main:  # preflight.json, and the table with each FAIL's and WARN's advice on a line
+        table = [dict(zip(("check", "value", "expected", "status", "advice"), r)) for r in rows]
+        write_atomic(path, json.dumps({"passed": not fails, "rows": table, **extra}, indent=2))
+        print("\n".join(["| check | value | expected | status |", "|---|---|---|---|"] + [
+            f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows] + [f"{s} {c}: {x}" for c, _, _, s, x in rows if x]))
+    raise TrainingStopped(f"preflight {f'FAILED {fails} check(s)' if fails else 'passed'}; report in {path}; nothing "
+                          f"was trained or saved", exit_code=1 if fails else 0)
 
 
-def preflight_table(rows: list[tuple]) -> str:
-    """The rows as a Markdown table, then each FAIL's and WARN's advice on a line."""
-    out = ["| check | value | expected | status |", "|---|---|---|---|"]
-    out += [f"| {c} | {v} | {e} | {s} |" for c, v, e, s, _ in rows]
-    return "\n".join(out + [f"{s} {c}: {advice}" for c, _, _, s, advice in rows if advice])
+def _judge(loop, a, run, before: dict, total: int, extra: dict) -> list:
+    """The rows of the iteration `loop` ran, from its log, weights, checkpoint and an evaluation batch; into `extra`."""
+    from resource import RUSAGE_SELF, getrusage  # ru_maxrss: kB on Linux
+    rt, dev, tmp = loop.rt, loop.rt.device, loop.run.dir
+    if rt.is_main:  # the trained iteration's line (the last is the end's) and the checkpoint's size; it goes first
+        line = json.loads((tmp / "metrics.jsonl").read_text().splitlines()[-2])
+        size = sum(f.stat().st_size for f in newest_checkpoint(tmp).rglob("*") if f.is_file())
+        shutil.rmtree(tmp / "checkpoints")
+    line, size = broadcast_object((line, size) if rt.is_main else None)
+    num = lambda key: math.nan if line.get(key) is None else line[key]  # noqa: E731  (null: NaN or inf)
+    (rows, eval_s), tol, fresh = _reward_rows(loop, a), ON_POLICY_TOL[dev.type], run.checkpoint is None
+    for key in [k for k in line if k.endswith("_first_update")] or ["first update on-policy"]:
+        ok = "n/a" if key not in line else num(key) <= tol if fresh else None
+        rows.append(_row(key, f"{num(key):.3g}", f"<= {tol:g}" if fresh else "(resumed)", ok, "the update does not "
+                         "reproduce the rollout: the same micro-batches, dtype, train / eval mode; KL to the start"))
+    norm, skipped, fp16, clip = num("grad_norm"), line.get("skipped_steps") or 0, rt.dtype == torch.float16, a.grad_clip
+    rows += [_row("gradients finite", f"norm {norm:.3g}, {skipped} step(s) skipped", "finite, 0 skipped",
+                  math.isfinite(norm) and not skipped if "grad_norm" in line else "n/a", "NaN / inf gradients: a non-"
+                  "finite reward or loss, --lr or --dtype" + "; or fp16's loss scaler backing off" * fp16, warn=fp16),
+             _row("gradient norm before clipping", f"{norm:.3g}", f"<= {GRAD_WARN} x clip {clip:g}",
+                  not norm > GRAD_WARN * clip if "grad_norm" in line else "n/a", f"{norm / clip:.3g}x the clip: the "
+                  f"loss or the rewards are far off in scale, or --lr is", warn=True)]
+    moved, d2, n2 = [], 0.0, 0.0
+    for p in loop.params:
+        x = (p.to_local() if hasattr(p, "to_local") else p).detach().cpu()
+        b = before.get(id(p), x)  # no optimizer step: nothing moved
+        moved.append(not torch.equal(x, b))
+        d2, n2 = d2 + (x.double() - b.double()).square().sum().item(), n2 + b.double().square().sum().item()
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else getrusage(RUSAGE_SELF).ru_maxrss * 1024
+    *moved, peak = all_ranks(moved + [peak], dev, dist.ReduceOp.MAX)
+    d2, n2 = all_ranks([d2, n2], dev, dist.ReduceOp.SUM)  # DDP replicas and FSDP2 shards alike
+    index = {id(q): name for name, q in loop.adapter.transformer.named_parameters()}
+    still = [index.get(id(p), str(i)) for i, (p, m) in enumerate(zip(loop.params, moved)) if not m]
+    step = math.sqrt(d2 / n2) if n2 > 0 else math.inf
+    it_s = line["time_s"] - (checkpoint_info(run.checkpoint)["elapsed"] if run.checkpoint else 0.0)
+    iters, free, every = a.iterations - run.start, shutil.disk_usage(run.dir).free, a.eval_every
+    evals = sum(1 for i in range(run.start, a.iterations + 1) if every and (i % every == 0 or i == a.iterations))
+    saves = 1 + sum(1 for i in range(run.start + 1, a.iterations) if a.save_every and i % a.save_every == 0)
+    hours = (iters * it_s + evals * eval_s) / 3600
+    rows += [_row("step size, change / weights (L2)", f"{step:.3g}", f"< {STEP_LIMIT:g}", step < STEP_LIMIT,
+                  "the iteration's optimizer steps moved the weights too far: lower --lr"),
+             _row("trained tensors that moved", f"{len(moved) - len(still)}/{len(moved)}", "all", not still,
+                  f"unchanged: {', '.join(still[:3])}{', ...' * (len(still) > 3)}. Fine for a fresh LoRA's lora_A "
+                  f"(lora_B = 0), SD3's last add_q_proj (no loss reaches it); else not in the forward", warn=True),
+             _row("peak memory per device", f"{peak / 2**30:.2f} GiB of {total / 2**30:.0f}", "< 90%",
+                  peak < 0.9 * total, "little room: lower --micro-batch, or pass --gradient-checkpointing or "
+                  "--offload-encoders", warn=True),
+             _row("whole run", f"{hours:.3g} h, {hours * rt.world_size:.3g} device-hours",
+                  f"{iters} iterations x {it_s:.3g} s, {evals} evaluations x {eval_s:.3g} s"),
+             _row("checkpoints on disk", f"{saves} x {size / 2**30:.3f} GiB", f"<= {free / 2**30:.1f} GiB free",
+                  saves * size <= free, "free disk space, raise --save-every or pass another --output-dir")]
+    extra.update(metrics=line, measured=dict(iteration_s=it_s, eval_s=eval_s, peak_bytes=peak, total_bytes=total),
+                 projection=dict(iterations=iters, evaluations=evals, saves=saves, hours=hours, checkpoint_bytes=size))
+    return rows
+
+
+def _reward_rows(loop, a) -> tuple[list, float]:
+    """Each scorer on one timed evaluation batch (the EMA weights if kept): finite, spread and, outside PROMPT_FREE,
+    higher with the images' own prompts than with the next image's; and the seconds of a whole evaluation."""
+    rt, n, tic = loop.rt, min(a.eval_images, 16 * loop.rt.world_size), time.perf_counter()  # one batch per rank
+    with loop.ema.swapped_in() if loop.ema else contextlib.nullcontext():
+        _, batch = evaluate(loop.adapter, loop.adapter.transformer, loop.eval_prompts, n, a.eval_steps,
+                            loop.reward_fn, rt, seed=a.seed, grid=(n, n))  # every image, by prompt
+    eval_s = (time.perf_counter() - tic) * a.eval_images / n
+    images, records = torch.cat([im for _, im in batch]), {r["prompt"]: r for r in loop.eval_prompts}
+    own = [p for p, im in batch for _ in im]
+    shifted = [batch[(r + 1) % len(batch)][0] for r, (_, im) in enumerate(batch) for _ in im]
+    right, wrong = (loop.reward_fn(images, p, [records[q] for q in p])[1] for p in (own, shifted))
+    rows = []
+    for name in loop.reward_fn.weights:
+        key, s, w = short_reward_name(name), right[name].double().cpu(), wrong[name].double().cpu()
+        spread, d = s.std().item(), s - w
+        se, ok = d.std().item() / math.sqrt(len(d)), spread > 1e-6 and len(batch) > 1
+        rows += [_row(f"{key}: finite", f"{int(torch.isfinite(s).sum())}/{len(s)}", "all",
+                      bool(torch.isfinite(s).all()), "the scorer returns NaN / inf: check its weights and inputs"),
+                 _row(f"{key}: spread over images", f"{spread:.3g}", "> 0", spread > 1e-6, "every image gets the "
+                      "same score, so every advantage is zero: check the scorer's weights and preprocessing")]
+        rows += [] if name in PROMPT_FREE else [_row(
+            f"{key}: right vs shifted prompts", f"{s.mean():.4g} vs {w.mean():.4g} ({d.mean() / max(se, 1e-12):+.1f} "
+            f"SE)", f">= +{PROMPT_SE:g} SE", d.mean().item() > max(0, PROMPT_SE * se) if ok else "n/a",
+            "the score ignores the prompt: check the scorer's tokenizer and text input")]
+    return rows, eval_s
 
 
 # ==============================================================================================================

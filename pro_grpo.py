@@ -137,9 +137,9 @@ class Args:
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
     fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
                               "LoRA runs replicate with DDP")
-    preflight: bool = field(False, "check the set-up, the rewards and one measured iteration and project the run's "
-                                   "cost, then stop (exit 1 if a check FAILed) without training on or saving: "
-                                   "writes preflight.json in the run folder (README, Before a long run)")
+    preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
+                                   "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
+                                   "folder (README, Before a long run)")
     # <<< shared: args
     # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
     iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
@@ -277,6 +277,8 @@ def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> 
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
+    if args.preflight:                                       # one iteration of this main, checked (README)
+        return common.preflight(main, args)
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
     # <<< shared: validate

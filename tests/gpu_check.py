@@ -2,17 +2,15 @@
 architectures with random weights (`--model-path random`, common.random_pipeline: nothing is downloaded), scored by
 a random-weight reward model of PickScore's architecture (CLIP ViT-H/14) registered as `pickscore`, so every cost
 is real and no reward means anything (its checks FAIL or WARN, as they should). One table of what each preflight
-measured in its one iteration: seconds split into rollout / reward / update, images scored per second, peak memory,
-and the framework's overhead: the iteration's seconds over the seconds spent inside its model calls (text encoders,
-transformer forwards and backwards, VAE decodes, scorers), both timed in that iteration (common.Preflight).
+measured in its one iteration (common.preflight): seconds, split into rollout / reward / update as the trainer logs
+them, images scored per second and peak memory.
 
 On a GPU, per model: each trainer at its full-scale settings (LoRA, gradient checkpointing, its per-GPU
 micro-batch M and dtype) with one prompt per iteration and a reduced group (GROUPS below), at 512 px; then
-flow_grpo without gradient checkpointing (every trainer with --full). The preflight's evaluation images come
-first, so the measured iteration runs after the sampling path has warmed up. Each model runs in its own worker
-process; a run that breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the
-same trainer is retried without gradient checkpointing and with the flash attention kernel off, to show which
-setting avoids it.
+flow_grpo without gradient checkpointing (every trainer with --full). The measured iteration is its run's first
+(kernels may still warm up in it: its seconds err high). Each model runs in its own worker process; a run that
+breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the same trainer is retried
+without gradient checkpointing and with the flash attention kernel off, to show which setting avoids it.
 On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 64 px,
 32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation images, with checkpointing only: this
 keeps the path working (a test runs it); its times mean nothing.
@@ -65,9 +63,8 @@ CLIP_L = {"text_config": dict(vocab_size=49408, hidden_size=768, intermediate_si
           "vision_config": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                                 image_size=224, patch_size=14, hidden_act="quick_gelu", projection_dim=768),
           "projection_dim": 768}
-# The preflight rows that FAIL, as they should, on the random-weight scorer: it reads no prompt. (Its mean on the
-# base model's images is far from PickScore's too, but that row only WARNs.) Any other FAIL, or a run that did not
-# finish, is a finding: the check exits with status 1.
+# The preflight rows that FAIL, as they should, on the random-weight scorer: it reads no prompt. Any other FAIL, or a
+# run that did not finish, is a finding: the check exits with status 1.
 RANDOM_WEIGHT_FAILS = {"pickscore: right vs shifted prompts"}
 
 
@@ -174,8 +171,7 @@ def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, out: 
             "peak_gib": m["peak_bytes"] / 2**30, "s_per_it": m["iteration_s"],
             "t_rollout": line["t_rollout"] + line.get("t_surrogate_old", 0.0), "t_reward": line["t_reward"],
             "t_update": line["t_update"], "images_per_s": line["reward_calls"] / m["iteration_s"],
-            "nfe_fwd": line["nfe_fwd"], "nfe_fwd_bwd": line["nfe_fwd_bwd"], "model_s": m["model_s"],
-            "overhead": m["overhead"], "preflight_fails": fails}
+            "nfe_fwd": line["nfe_fwd"], "nfe_fwd_bwd": line["nfe_fwd_bwd"], "preflight_fails": fails}
 
 
 def worker(family: str, runs: list[list], gpu: bool, out: Path):
@@ -248,7 +244,7 @@ def versions() -> str:
 
 def table(results: list[dict]) -> str:
     head = ["model", "trainer", "checkpointing", "px", "group (M)", "LoRA", "dtype", "peak GiB", "s/it", "rollout",
-            "reward", "update", "img/s", "overhead", "status", "preflight FAILs"]
+            "reward", "update", "img/s", "status", "preflight FAILs"]
     rows = []
     for r in results:
         ok = r["status"] == "ok"
@@ -258,7 +254,7 @@ def table(results: list[dict]) -> str:
         rows.append([r["model"], r["trainer"], ("on" if r["ckpt"] else "off") + ("" if r["flash"] else ", no flash"),
                      str(r.get("resolution", "-")), f"{r['group']} ({r['micro_batch']})" if ok else "-",
                      str(r.get("lora_rank", "-")), r.get("dtype", "-"), f("peak_gib", 1), f("s_per_it"),
-                     f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), f("overhead"), r["status"],
+                     f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), r["status"],
                      ", ".join(r["preflight_fails"]) or "none" if ok else "-"])
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                      ["| " + " | ".join(row) + " |" for row in rows])

@@ -104,13 +104,11 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (16, 8)  # surrogate rows; 2 x 4 (t, eps) pairs with grad
     assert r["s_per_it"] >= r["t_rollout"] + r["t_reward"] + r["t_update"]  # the iteration's clock holds its parts
     assert r["images_per_s"] == pytest.approx(2 / r["s_per_it"])
-    assert r["overhead"] == pytest.approx(r["s_per_it"] / r["model_s"]) and r["overhead"] >= 0.99
     report = json.loads((out / f"{family}-{trainer}-ckpt" / "preflight.json").read_text())
     status = {row["check"]: row["status"] for row in report["rows"]}
-    assert status["pickscore: mean on base-model images"] == "WARN"          # random weights: far from 0.81-0.9
     assert status["pickscore: right vs shifted prompts"] == "FAIL"                # no prompt read by random weights
     assert "pickscore: right vs shifted prompts" in r["preflight_fails"]
-    assert status["tensors with a gradient"] == "PASS"     # on SD3, with the LoRA no loss reaches named in its value
+    assert status["gradients finite"] == status["step size, change / weights (L2)"] == "PASS"
 
 
 @pytest.mark.slow
