@@ -1130,9 +1130,8 @@ def setup_training(args) -> Runtime:
 
 
 def check_model(name: str, path: str | None, reward: str | None = None):
-    """Refuses, before anything loads, a --model-path without weights of --model `name` (missing, not a pipeline, a
-    config not a JSON object, an uncached hub repository while offline, a bad random:N) and a --reward that does not
-    fit the model (toy rewards read 16x16 shapes) or whose files are not cached offline (check_scorer_files)."""
+    """Refuses, before anything loads, a --model-path without weights of --model `name` and a --reward that does not
+    fit the model or whose files are not in the hub cache while offline."""
     from huggingface_hub import constants, try_to_load_from_cache
     names = {n for n, _ in parse_reward_spec(reward)} if reward is not None else set()
     if name != "toy" and names & {"toy", "toy-soft"}:
@@ -1180,10 +1179,8 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 
 class UpdateStats:
-    """An update's statistics, under whatever keys the trainer gives: `add` keeps each backward's 0-d tensors on the
-    device, `stepped` fetches them once per optimizer step (one host sync, not one per .item()). metrics(): each key's
-    mean over the backward passes and grad_norm's over the optimizer steps; max / mean: one key's over the update, or
-    over its optimizer step `step` (0 the first)."""
+    """An update's statistics under the keys a trainer gives, fetched once per optimizer step (one host sync):
+    metrics(), each key's mean over the backward passes and grad_norm's; max / mean, one key's, or its step `step`'s."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1212,12 +1209,9 @@ class UpdateStats:
 
 
 class TrainingLoop:
-    """What a trainer's loop does around its method: the clock (training seconds without evaluation, continued across
-    --resume), evaluation every --eval-every iterations and at the end, the metrics log, and checkpoints every
-    --save-every iterations, at the end and on SIGTERM / SIGINT. Made after the optimizer and EMA, into which it loads
-    the run's checkpoint, if any, with `extra_state` (name -> tensor or list of tensors: what the method keeps besides,
-    saved and restored in place with them). A run stopped by an exception (`after_failure`) keeps its last completed
-    iteration.
+    """What a trainer's loop does around its method: the clock, evaluations, the log, checkpoints (README, Outputs and
+    metrics). It loads --resume's checkpoint into params, optimizer, EMA and `extra_state` (name -> tensor or list of
+    tensors: the method's own), and saves them alike.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -1253,9 +1247,8 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state)
 
     def stop_if_signalled(self, it: int):
-        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` and stop. Called at
-        each iteration's start, after each rollout micro-batch and before the update (the rollout is dropped). Nothing
-        is saved before the run's first optimizer step (the state it started from)."""
+        """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (none before the
+        run's first optimizer step) and stop. Called at each iteration's start, in the rollout and before the update."""
         signum = signalled(self.rt.device)
         if not signum:
             return
@@ -1270,11 +1263,8 @@ class TrainingLoop:
                               f"{self.run.dir}", exit_code=code)
 
     def after_failure(self, e: Exception):
-        """Ends a run stopped by `e` (from run_cli) with a TrainingStopped saying what was kept. Re-raised as is: a
-        TrainingStopped without `save_state` (weights maybe non-finite, a failed write, a handled signal) and, under
-        torchrun, any other exception (it may be on one rank only). Otherwise the weights are intact: before the first
-        optimizer step nothing is saved (rerun the command); if no step of this iteration has run, its starting state
-        is checkpointed (by the signal stop if a signal cut a blocking call short); else the newest one is named."""
+        """Ends a run that `e` stopped with a TrainingStopped saying what was kept: re-raised unless the weights are
+        intact; then the iteration's starting state is checkpointed if it has not stepped, else the newest is named."""
         intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
         if not intact:
             raise e
@@ -1310,8 +1300,8 @@ class TrainingLoop:
         return res
 
     def begin(self, it: int) -> dict | None:
-        """Starts iteration `it`: stops on a signal, evaluates when due, returns its metrics line. The last one
-        (--iterations or --time-budget reached) is logged at once, with a DDP replica check, and None is returned."""
+        """Starts iteration `it` (a signal stops, an evaluation when due): its metrics line, or None once the last,
+        (--iterations or --time-budget reached) is logged."""
         a = self.args
         self.stop_if_signalled(it)
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
@@ -1351,10 +1341,8 @@ def finite(tensors: list[torch.Tensor], device) -> bool:
 
 
 class StepGuard:
-    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN / inf on any rank
-    (how a non-finite reward, advantage or loss shows). `max_bad` skips (counted in `skipped`) in a row stop the run
-    before anything non-finite is saved; a step leaving a weight non-finite in its dtype (lr far too large), at once.
-    `loss_scaling` (fp16): a GradScaler, whose overflow skips with finite losses (its back-off) do not count."""
+    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN / inf on any:
+    `max_bad` skips in a row, or weights a step made non-finite, stop the run. `loss_scaling` (fp16): a GradScaler."""
 
     def __init__(self, max_bad: int, device, loss_scaling: bool = False):
         self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
@@ -1397,8 +1385,8 @@ class StepGuard:
 
 
 def instrument(adapter):
-    """Counts in `adapter.counts` transformer rows ("nfe_fwd" without grad, i.e. sampling; "nfe_fwd_bwd" with grad;
-    CFG's two branches are two rows) and VAE decodes; a module hook, so a deepcopy (the frozen reference) counts too."""
+    """Counts in `adapter.counts` the transformer's rows with and without grad and the decodes (README, Metrics); a
+    module hook, so a frozen copy made later counts too."""
     counts = adapter.counts = collections.Counter()
 
     def hook(module, args, kwargs, out):
@@ -1434,9 +1422,8 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
-    """--fsdp: FSDP2's fully_shard on each transformer block, then the root. Trained weights become float32 master
-    shards (DTensors), cast block by block so no rank holds the whole model in float32; on GPU gathered in the compute
-    dtype, gradients reduced in float32. The frozen `ref` is sharded alike in its dtype. Returns this rank's shards."""
+    """--fsdp: FSDP2's fully_shard on each block, then the root, the trained weights as float32 master shards (cast a
+    block at a time), the frozen `ref` alike in its dtype (README, Scaling out). Returns this rank's shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
         else MixedPrecisionPolicy()

@@ -193,3 +193,16 @@ def test_cost_runs_use_the_papers_flux_group_sizes():
                 flag = "--" + k.replace("_", "-")
                 value = argv[argv.index(flag) + 1]
                 assert argv.count(flag) == 1 and (value == str(v) or isinstance(v, float) and float(value) == v), (m, k)
+
+
+@pytest.mark.slow
+def test_the_threads_benchmark_prints_its_table(capsys):
+    """tests/benchmark_threads.py --quick: every condition and behaviour measured once, its seconds per iteration in
+    the table (the times and targets mean nothing at these sizes)."""
+    import benchmark_threads
+    cells = benchmark_threads.main(["--quick"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == list(benchmark_threads.CONDITIONS)
+    for line, (condition, row) in zip(table[1:], cells.items()):
+        assert all(len(runs) == 1 and runs[0] > 0 for runs in row.values()), condition
+        assert line.split(" | ")[1:4] == [f"{row[b][0]:.2f}" for b in ("before", "one thread", "now")]
