@@ -111,15 +111,15 @@ def test_missing_prompt_file(tmp_path):
         run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--prompts", "nope.txt", "--output-dir", str(tmp_path / "r")])
 
 
-@pytest.mark.parametrize("damaged,words", [(".metadata", "is not a checkpoint this code wrote: state/ does not load"),
-                                           ("__0_0.distcp", "is not a checkpoint this code wrote: state/ does not load")])
-def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(damaged, words, tmp_path):
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
+def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(damaged, tmp_path):
     r = tmp_path / "r"
     run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "1", "--output-dir", str(r), *SMALL])
     state = r / "checkpoints" / "iter_000001" / "state" / damaged
     state.write_bytes(state.read_bytes()[:100])
     before = {f: f.read_bytes() for f in r.rglob("*") if f.is_file() and f.name != ".lock"}
-    with pytest.raises(common.UsageError, match=f"{words}.*resume from an earlier one in a new --output-dir"):
+    with pytest.raises(common.UsageError, match="is not a checkpoint this code wrote: state/ does not load .*resume "
+                                                "from an earlier one in a new --output-dir"):
         run(flow_grpo, [*tiny_argv("flow_grpo", "flux"), "--iterations", "2", "--output-dir", str(r),
                         "--resume", str(r), *SMALL])
     assert {f: f.read_bytes() for f in r.rglob("*") if f.is_file() and f.name != ".lock"} == before
