@@ -372,9 +372,8 @@ class SD3Adapter(PipelineAdapter):
 
 # The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
 def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
-    """Freezes the transformer and adds a peft LoRA (diffusers' integration, so the adapter can be disabled
-    for the reference policy and saved in diffusers' format). rank 0 = full fine-tuning. Returns the
-    trainable parameters (kept in float32 master precision)."""
+    """Freezes the transformer and adds a peft LoRA (diffusers' integration: the adapter can be disabled for the
+    reference policy and saved in diffusers' format); rank 0 = full fine-tuning. Returns the trainable parameters."""
     if rank <= 0:
         transformer.requires_grad_(True)
         return list(transformer.parameters())
@@ -605,11 +604,10 @@ def edit_distance(a: str, b: str) -> int:
 
 
 def ocr_reward(recognised: str, prompt: str) -> float:
-    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target is the prompt's
-    text after its first double quote, up to the next one if any (prompt.split('"')[1]), or the whole prompt if it
-    has none. Both strings are lower-cased with every whitespace character removed (not only spaces: the lines
-    read come newline-separated). d = 0 when the target occurs in the recognised text, else their edit distance
-    capped at len(target). An empty target scores 1 (the official code divides by 0)."""
+    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target: the prompt's text
+    after its first double quote, up to the next one if any, else the whole prompt. Both are lower-cased without any
+    whitespace (the lines read come newline-separated). d = 0 when the target occurs in the recognised text, else
+    their edit distance capped at len(target). An empty target scores 1 (the official code divides by 0)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
     if target in text:
@@ -665,8 +663,6 @@ class ImageRewardScore:
 REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
            "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
            "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
-
-
 REWARD_NORMS = ("sum", "per-reward")
 
 
