@@ -44,6 +44,6 @@ def test_a_checkpoint_without_the_old_policy_is_refused(tmp_path):
     del state["extra"]
     import torch.distributed.checkpoint as dcp
     shutil.rmtree(ckpt / "state")
-    dcp.save(state, checkpoint_id=ckpt / "state", no_dist=True)
+    common.single_process(dcp.save, state, ckpt / "state")
     with pytest.raises(common.UsageError, match=f"{ckpt} is not a checkpoint this code wrote: "):
         run(likelihood_free, ["--iterations", "2", "--resume", str(out), "--output-dir", str(tmp_path / "b")])

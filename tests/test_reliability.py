@@ -368,7 +368,7 @@ def rewrite_state(keep):
         from helpers import training_state
         state = keep(training_state(checkpoint))
         shutil.rmtree(checkpoint / "state")
-        dcp.save(state, checkpoint_id=checkpoint / "state")
+        common.single_process(dcp.save, state, checkpoint / "state")
     return damage
 
 
