@@ -1779,8 +1779,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
 # 8. Logging and labelled image grids
 # ==============================================================================================================
 class Logger:
-    """Main process only: an iteration's JSON line appended to metrics.jsonl (NaN, inf: null), a line on stdout, W&B
-    with a `wandb_config`."""
+    """Main process only: an iteration's JSON line in metrics.jsonl (NaN, inf: null), on stdout, in W&B if asked."""
 
     def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
         self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
@@ -2368,8 +2367,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
                guidance_scale: float | None = None, max_sequence_length: int | None = None,
                offload_encoders: bool = False):
     """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
-    random / random:N for the published architecture with random weights (Appendix B). Settings left None take
-    the adapter's defaults."""
+    random / random:N for the published architecture with random weights (Appendix B). None: the adapter's default."""
     if name == "toy":
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
@@ -2380,9 +2378,11 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
         pipe = random_pipeline(name, path, rt.device, rt.dtype)
-    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way
-        pipe = cls.from_pretrained(path or HUB_IDS[name], torch_dtype={
-            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype})
+    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way (torch_dtype before 0.40)
+        import diffusers
+        key = "dtype" if tuple(map(int, diffusers.__version__.split(".")[:2])) >= (0, 40) else "torch_dtype"
+        pipe = cls.from_pretrained(path or HUB_IDS[name], **{key: {
+            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype}})
     settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
     return adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
                        **{k: v for k, v in settings.items() if v is not None})
