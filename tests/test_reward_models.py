@@ -180,7 +180,7 @@ def test_the_full_scale_default_reward_is_made_of_in_process_scorers(trainer, mo
 
 
 @pytest.mark.parametrize("change,named", [
-    ("drop transformer.resblocks.1.attn.in_proj_bias", "'transformer.resblocks.1.attn.in_proj_bias'"),
+    ("drop transformer.resblocks.1.attn.in_proj_bias", "'text_model.encoder.layers.1.self_attn.k_proj.bias'"),
     ("add visual.attn_pool.weight", "'module.visual.attn_pool.weight'"),
     ("drop every key of text layer 1", "'text_model.encoder.layers.1.layer_norm1.bias'"),
 ])
