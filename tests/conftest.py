@@ -10,13 +10,18 @@ sys.path.insert(0, str(ROOT))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import common  # noqa: E402
+
 torch.set_num_threads(1)  # many tiny ops: one thread is fastest on a small CPU
 
 
 @pytest.fixture(autouse=True)
 def _cwd(tmp_path, monkeypatch):
-    """Every test runs in its own temporary folder, so runs/ never lands in the checkout."""
+    """Every test runs in its own temporary folder, so runs/ never lands in the checkout; a test that ran a trainer
+    with the default CPU threads (the long learning runs) leaves one thread and no thread balancer behind."""
     monkeypatch.chdir(tmp_path)
+    yield
+    common.cpu_threads(1)
 
 
 def pytest_configure(config):
