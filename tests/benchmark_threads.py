@@ -4,7 +4,7 @@ two trainers started at once, and as two torchrun ranks, for `--threads 2` (the 
 those other processes keep busy).
 Each cell is the median of --repeats runs, interleaved; a run's seconds per iteration leave out its first iteration.
 
-    python tests/benchmark_threads.py                 # about 25 minutes on 2 cores; the README's table
+    python tests/benchmark_threads.py                 # about 32 minutes on 2 cores; the README's table
     python tests/benchmark_threads.py --quick         # tiny sizes, one repeat, about 2 minutes (a slow test runs it)
 """
 import argparse
