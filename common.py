@@ -1250,6 +1250,7 @@ class TrainingLoop:
                               f"{self.run.dir}", exit_code=code)
 
     def unsaved(self, what: str, exit_code: int) -> TrainingStopped:
+        """The stop of a run that has not stepped since it started: nothing to save, the same command goes on."""
         start = self.run.checkpoint.name if self.run.checkpoint else "the untrained weights"
         return TrainingStopped(f"{what} since the start from {start}, so nothing was saved: rerun the same command to "
                                f"{'continue' if self.run.checkpoint else 'start'}", exit_code)
