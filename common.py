@@ -556,8 +556,8 @@ class HPSv2(_CLIPSimilarity):
 
 class CLIPScoreH(HPSv2):
     """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
-    scale, as G2RPO and MixGRPO score their CLIP reward (typical values 0.3-0.4; G2RPO trains with this 224 px
-    checkpoint, MixGRPO's script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
+    scale, the papers' CLIP reward (README, Rewards; typical values 0.3-0.4; this is the 224 px checkpoint, one
+    published script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
     preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
     images, as HPSv2's)."""
 
