@@ -191,7 +191,7 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 #   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
-#   lora_targets, save_lora(dir, state_dict)
+#   lora_targets, save_lora(dir, state_dict), weights_dtype (the transformer's as loaded, and as published)
 # load_model (section 12) makes one; the toy adapter is in Appendix A, random-weight pipelines in Appendix B.
 MODELS = ("toy", "flux", "sd3")
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
@@ -202,14 +202,14 @@ SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The trained transformer's weights: float32 under fp16 compute (fp16 autocast over float32 weights, with
-    loss scaling, as the official SD3.5 recipes train), else the compute dtype."""
+    """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
+    scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
-    """Autocast to the compute dtype on GPU; on CPU everything runs in float32."""
-    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else contextlib.nullcontext()
+    """Autocast to the compute dtype (bf16, fp16) on any device, CPU included; float32 runs without it."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def cond_select(cond: dict, idx) -> dict:
@@ -234,7 +234,7 @@ class FluxFamilyAdapter:
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
         with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
-            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t, guidance=guidance,
+            out = net(hidden_states=x.to(self.weights_dtype), timestep=t, guidance=guidance,
                       pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
                       txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
         return out.float()
@@ -248,7 +248,7 @@ class PipelineAdapter:
                  offload_encoders: bool):
         _freeze_pipeline(pipe, device, dtype, offload_encoders)
         self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution = device, dtype, resolution
+        self.device, self.dtype, self.resolution, self.weights_dtype = device, dtype, resolution, weight_dtype(dtype)
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
         self.offload_encoders = offload_encoders
 
@@ -358,7 +358,7 @@ class SD3Adapter(PipelineAdapter):
             embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
             pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
         with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
-            out = net(hidden_states=x.to(weight_dtype(self.dtype)), timestep=t * 1000, encoder_hidden_states=embeds,
+            out = net(hidden_states=x.to(self.weights_dtype), timestep=t * 1000, encoder_hidden_states=embeds,
                       pooled_projections=pooled, return_dict=False)[0].float()
         if cfg:
             uncond, text = out.chunk(2)
@@ -754,30 +754,31 @@ class Runtime:
     rank: int
     world_size: int
     device: torch.device
-    dtype: torch.dtype  # the compute (autocast) dtype: --dtype bf16 / fp16 on GPU, float32 on CPU
+    dtype: torch.dtype  # the compute (autocast) dtype, --dtype
     is_main = property(lambda self: self.rank == 0)
     distributed = property(lambda self: self.world_size > 1)
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
+GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU (the official recipes')
 
 
-def setup_runtime(seed: int, threads: int | None = None, dtype: str = "bf16") -> Runtime:
-    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank."""
+def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
+    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
+    dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
         torch.cuda.set_device(device)
-        backend, dtype = "nccl", DTYPES[dtype]
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
-        device, backend, dtype = torch.device("cpu"), "gloo", torch.float32
+        device, backend = torch.device("cpu"), "gloo"
         cpu_threads(threads)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     seed_everything(seed + rank)
-    return Runtime(rank, world_size, device, dtype)
+    return Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")])
 
 
 def cpu_threads(threads: int | None = None):
@@ -887,12 +888,6 @@ def check_flag(name: str, value, at_least: float | None = None, at_most: float |
     high = f"at most {at_most}" if hi < big else f"at most {big:.2g}, float32's largest" * (number and value > hi)
     bounds = " and ".join(filter(None, (low, high))) or "a number"
     raise UsageError(f"--{name.replace('_', '-')} {value} must be {bounds}{'' if number else ' (it is not a number)'}")
-
-
-def at_least(minimum: float, **flags):
-    """check_flag with a lower bound, for each flag."""
-    for name, value in flags.items():
-        check_flag(name, value, at_least=minimum)
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
@@ -1069,15 +1064,9 @@ def stop_together(what: str):
         raise TrainingStopped(f"{what} {error}", save_state=True)
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(2 n,) float64: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
-    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
-    return torch.stack([v for t in local for v in (t.double().sum(), t.double().square().sum())])
-
-
 def rank_param_diff(params: list[torch.Tensor]) -> float:
-    """Largest difference across ranks of per-tensor sums and sums of squares (0.0: replicas identical)."""
-    fp = fingerprint(params)
+    """Largest difference across ranks of per-tensor sums and sums of squares in float64 (0.0: replicas identical)."""
+    fp = torch.stack([v for t in params for v in (t.detach().double().sum(), t.detach().double().square().sum())])
     on_cpu = not dist.is_initialized() or dist.get_backend() == "gloo"
     allfp = all_gather_cat(fp.cpu() if on_cpu else fp).view(-1, len(fp))
     return (allfp.max(0).values - allfp.min(0).values).max().item()
@@ -1103,14 +1092,14 @@ def setup_training(args) -> Runtime:
     """Checks, before a model loads, what the flags' bounds (cli) do not: the model, weights and reward (check_model),
     --wandb, then after setup_runtime the flags that depend on the number of ranks."""
     if args.lora_rank:
-        at_least(1e-12, lora_alpha=args.lora_alpha)
+        check_flag("lora_alpha", args.lora_alpha, at_least=1e-12)
     check_model(args.model, args.model_path, args.reward)
     if args.wandb:
         try:
             import wandb  # noqa: F401
         except ImportError:
             raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb") from None
-    rt = setup_runtime(args.seed, args.threads, args.dtype)
+    rt = setup_runtime(args.seed, args.threads, args.dtype, args.model)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
     if args.fsdp and (args.lora_rank or rt.world_size < 2):
@@ -1170,7 +1159,8 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 class UpdateStats:
     """An update's statistics under the keys a trainer gives, fetched once per optimizer step (one host sync):
-    metrics(), each key's mean over the backward passes and grad_norm's; max / mean, one key's, or its step `step`'s."""
+    metrics(), each key's mean over the backward passes and grad_norm's over the steps that stepped (StepGuard: NaN
+    for a skipped one); max / mean, one key's, or its step `step`'s."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1195,13 +1185,14 @@ class UpdateStats:
         return sum(values) / len(values)
 
     def metrics(self) -> dict:
-        return {**{k: self.mean(k) for k in self.steps[0][0]}, "grad_norm": sum(self.grad_norms) / len(self.grad_norms)}
+        norms = [n for n in self.grad_norms if math.isfinite(n)] or [math.nan]
+        return {**{k: self.mean(k) for k in self.steps[0][0]}, "grad_norm": sum(norms) / len(norms)}
 
 
 class TrainingLoop:
     """What a trainer's loop does around its method: the clock, evaluations, the log, checkpoints (README, Outputs and
-    metrics). It loads --resume's checkpoint into params, optimizer, EMA and `extra_state` (name -> tensor or list of
-    tensors: the method's own), and saves them alike.
+    metrics). It loads --resume's checkpoint into params, optimizer, EMA, the StepGuard's loss scale and `extra_state`
+    (name -> tensor or list of tensors: the method's own), and saves them alike.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
@@ -1214,11 +1205,12 @@ class TrainingLoop:
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
-                 eval_prompts: list[dict], reward_fn, extra_state: dict | None = None):
+                 eval_prompts: list[dict], reward_fn, guard: StepGuard, extra_state: dict | None = None):
         self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
-        self.optimizer, self.ema, self.extra_state = optimizer, ema, extra_state
+        self.optimizer, self.ema, self.scaler, self.extra_state = optimizer, ema, guard.scaler, extra_state
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
-        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state) if run.checkpoint else 0.0
+        elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state, self.scaler) \
+            if run.checkpoint else 0.0
         if rt.is_main:  # the first write: every check before it has passed
             run.log_start()
         self.t0 = time.time() - elapsed
@@ -1234,7 +1226,8 @@ class TrainingLoop:
     def save(self, iteration: int) -> Path:
         """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
         return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state)
+                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state,
+                               self.scaler)
 
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (none before the
@@ -1347,7 +1340,7 @@ class StepGuard:
         self.scaler.scale(loss).backward()
 
     def step(self, optimizer, params: list, grad_clip: float) -> tuple[bool, float]:
-        """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm)."""
+        """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm / NaN)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -1372,7 +1365,7 @@ class StepGuard:
                                   f"non-finite reward, loss or gradient) and were skipped; nothing was saved after "
                                   f"the last checkpoint. Resume from it with a smaller --lr or a fixed reward, or "
                                   f"raise --max-bad-steps")
-        return stepped, norm.item()
+        return stepped, norm.item() if stepped else math.nan
 
 
 def instrument(adapter):
@@ -1412,19 +1405,20 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])]
 
 
-def fully_shard_model(transformer: torch.nn.Module, rt: Runtime, ref: torch.nn.Module | None = None) -> list:
-    """--fsdp: FSDP2's fully_shard on each block, then the root, the trained weights as float32 master shards (cast a
-    block at a time), the frozen `ref` alike in its dtype (README, Scaling out). Returns this rank's shards."""
+def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
+    """--lora-rank 0: float32 master weights (cast a block at a time); `shard` (--fsdp): FSDP2 on each block, then the
+    root, gathered in --dtype (inputs as they come: SD3's timestep float32), gradients reduced in float32, the frozen
+    `ref` alike in its dtype (README, Scaling out). Returns the trainable tensors (this rank's shards)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32) if rt.device.type == "cuda" \
-        else MixedPrecisionPolicy()
-    for module in (m for m in (transformer, ref) if m is not None):
+    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in (m for m in (transformer, ref if shard else None) if m is not None):
         for block in transformer_blocks(module) + [module]:
             if module is transformer:  # what is not sharded yet: this block, or the root's own layers
                 for q in block.parameters():
                     if not hasattr(q, "to_local"):
                         q.data = q.data.to(torch.float32)
-            fully_shard(block, mp_policy=mp)
+            if shard:
+                fully_shard(block, mp_policy=mp)
     return [q for q in transformer.parameters() if q.requires_grad]
 
 
@@ -1649,10 +1643,10 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
-def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict | None = None) -> dict:
+def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict | None = None, scaler=None) -> dict:
     """What torch.distributed.checkpoint saves and loads in place, in either layout (plain tensors or FSDP2 shards):
     trainable tensors by position, their AdamW state (unless `optimizer` is None: not yet stepped), the EMA's shadow,
-    the method's `extra_state`."""
+    the method's `extra_state`, fp16's GradScaler state (scale, growth tracker)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1662,11 +1656,13 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
         state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
     if extra_state:
         state["extra"] = extra_state
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
     return state
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                    elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None) -> Path:
+                    elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1677,7 +1673,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         return final
     tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
     write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state)
+                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state, scaler)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1686,7 +1682,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                     rt: Runtime, what: str, extra_state: dict | None = None):
+                     rt: Runtime, what: str, extra_state: dict | None = None, scaler=None):
     """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
     (training_state), then checkpoint.json (own_json). A failure on any rank removes it and stops all, naming `what`."""
     import torch.distributed.checkpoint as dcp
@@ -1699,23 +1695,22 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state),
-                           folder / "state")
+            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state,
+                                                    scaler), folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-                if sharded:  # collective: rank 0 gets the whole transformer
-                    weights = get_model_state_dict(adapter.transformer,
-                                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if rt.is_main and lora:
                     from peft.utils import get_peft_model_state_dict
                     adapter.save_lora(folder, get_peft_model_state_dict(adapter.transformer))
-                elif rt.is_main and sharded:
-                    _save_diffusers_model(adapter.transformer, weights, folder / "transformer")
-                elif rt.is_main:
-                    adapter.transformer.save_pretrained(folder / "transformer")
+                elif not lora:  # FSDP2 (collective): rank 0 gets the whole transformer
+                    weights = get_model_state_dict(adapter.transformer, options=StateDictOptions(
+                        full_state_dict=True, cpu_offload=True)) if sharded else adapter.transformer.state_dict()
+                    if rt.is_main:
+                        _save_diffusers_model(adapter, weights, folder / "transformer")
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
-                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params)}
+                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
+                        "loss_scale": scaler is not None}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
             error = one_line(e)
@@ -1740,31 +1735,38 @@ def single_process(save_or_load, state: dict, folder: Path):
             root.removeFilter(drop)
 
 
-def _save_diffusers_model(model: torch.nn.Module, weights: dict, folder: Path):
-    """save_pretrained's files from a full state dict of an FSDP2-wrapped model (config: the original class)."""
+def _save_diffusers_model(adapter, weights: dict, folder: Path):
+    """save_pretrained's files of the adapter's transformer from a full state dict (FSDP2's too: config of the original
+    class), in the dtype the base model was loaded in (full fine-tuning's weights are float32 master weights)."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True)
+    model, dtype = adapter.transformer, adapter.weights_dtype
     original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
     config = {"_class_name": original.__name__, **{k: v for k, v in dict(model.config).items()
                                                   if not k.startswith("_")}}
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=list))
-    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "diffusion_pytorch_model.safetensors")
+    save_file({k: v.to("cpu", dtype).contiguous() for k, v in weights.items()},
+              folder / "diffusion_pytorch_model.safetensors")
 
 
-def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, extra_state: dict | None = None
-                    ) -> float:
-    """Restores what training_state names in place from state/ (else not_written_here); returns the training seconds."""
+def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, extra_state: dict | None = None,
+                    scaler=None) -> float:
+    """Restores what training_state names in place from state/ (else not_written_here; a loss scale if it holds one);
+    returns the training seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    state = training_state(params, optimizer, ema, extra_state)
+    scaler = scaler if info.get("loss_scale") else None
+    state = training_state(params, optimizer, ema, extra_state, scaler)
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
         single_process(dcp.load, state, checkpoint / "state")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
         raise not_written_here(checkpoint, f"state/ does not load ({one_line(e)})") from None
     return float(info["elapsed"])
@@ -1945,7 +1947,7 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--resolution", type=int)
     ap.add_argument("--guidance-scale", type=float)
     ap.add_argument("--max-sequence-length", type=int)
-    ap.add_argument("--dtype", choices=list(DTYPES), default=None)
+    ap.add_argument("--dtype", choices=list(DTYPES), help="as the trainers' --dtype (default: the run's)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
@@ -1983,7 +1985,7 @@ def _evaluate_main(a) -> dict:
         return value if value is not None else run.get(key, fallback)
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
-    seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
+    seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype")
     check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
@@ -1992,7 +1994,7 @@ def _evaluate_main(a) -> dict:
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
     writable_folder(out_dir, "--output")
-    rt = setup_runtime(seed, a.threads, dtype)
+    rt = setup_runtime(seed, a.threads, dtype, model)
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
@@ -2368,7 +2370,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
         return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device)
+                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype)
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
@@ -2385,14 +2387,12 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
 
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
     """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
-    in `dtype`, the transformer in weight_dtype(dtype), the VAE in float32."""
+    in `dtype` (_cast), the transformer in weight_dtype(dtype), the VAE in float32."""
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
             offload = offload_encoders and name.startswith("text_encoder")
             module.requires_grad_(False).eval().to("cpu" if offload else device)
-            want = {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype)
-            if any(p.dtype != want for p in module.parameters()):  # diffusers warns on no-op casts
-                module.to(dtype=want)
+            _cast(module, {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype))
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -2779,9 +2779,10 @@ def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
 
 
 class ToyAdapter(FluxFamilyAdapter):
-    """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking."""
+    """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking; float32 weights."""
 
     lora_targets = FLUX_LORA_TARGETS
+    weights_dtype = torch.float32
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
         self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
@@ -2873,7 +2874,13 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
+    """`module`'s floating tensors in `dtype`, but those transformers keeps float32 under fp16 (T5's `wo`)."""
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else set()
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        want = torch.float32 if keep & set(name.split(".")) else dtype
+        if t.is_floating_point() and t.dtype != want:
+            t.data = t.data.to(want)
+    return module
 if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
     if sys.argv[1:2] and sys.argv[1] in commands:

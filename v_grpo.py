@@ -128,8 +128,9 @@ class Args:
                                          at_least=0)
     max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut",
                                             at_least=1, at_most=512)
-    dtype: str = field("bf16", "GPU compute dtype: bf16, or fp16 (autocast over float32 transformer weights, loss "
-                               "scaling); CPU runs compute in float32", choices=tuple(common.DTYPES))
+    dtype: str | None = field(None, "compute dtype on any device: fp32, bf16, or fp16 (autocast over float32 "
+                                    "transformer weights, loss scaling); default: on a GPU flux and the toy bf16, sd3 "
+                                    "fp16; on a CPU fp32", choices=tuple(common.DTYPES))
     offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
     weight_decay: float = field(1e-4, "AdamW weight decay", at_least=0)
     grad_clip: float = field(1.0, "gradient-norm clip", at_least=1e-12)
@@ -179,7 +180,6 @@ MODEL_DEFAULTS = {
         "eval_steps": 40,
         "resolution": 512,
         "guidance_scale": 1.0,            # no CFG (reading 8)
-        "dtype": "fp16",
         "lora_rank": 32,
         "lora_alpha": 64,
         "ema": True,
@@ -339,17 +339,17 @@ def main(args: Args) -> dict:
     # <<< shared: setup-model
     ref = None  # no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout
     # >>> shared: setup-train
-    if args.fsdp:  # the trained transformer (float32 master weights) and any frozen reference, sharded per block
-        params = common.fully_shard_model(transformer, rt, ref)
+    if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
+        params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
     ema = common.EMA(params) if args.ema else None
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)
     # <<< shared: setup-train
-    # the clock, log, evaluations and checkpoints; --resume loads into params, optimizer and EMA (a method's own
-    # tensors too, passed as extra_state={"name": tensors})
-    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn)
+    # the clock, log, evaluations and checkpoints; --resume loads into params, optimizer, EMA and the loss scale (a
+    # method's own tensors too, passed as extra_state={"name": tensors})
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn, guard)
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     pair_grid = adapter.sigmas(T_pair)                       # (T_pair+1,) the grid the pair times are drawn from
 
@@ -455,7 +455,8 @@ def main(args: Args) -> dict:
         # <<< shared: log
         # >>> shared: ratio-log
         metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
-                       kl_first_update=stats.max("kl", step=0))  # the first optimizer step is exactly on-policy
+                       clip_frac_first_update=stats.mean("clip_frac", step=0),  # the first optimizer step is
+                       kl_first_update=stats.max("kl", step=0))                 # exactly on-policy
         if len(stats.steps) > 1:                             # its micro-batches scored after one step: that step's size
             metrics.update(ratio_dev_second_update=stats.max("ratio_dev", step=1),
                            approx_kl_second_update=stats.mean("approx_kl", step=1))

@@ -11,14 +11,15 @@ flow_grpo without gradient checkpointing (every trainer with --full). The measur
 (kernels may still warm up in it: its seconds err high). Each model runs in its own worker process; a run that
 breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the same trainer is retried
 without gradient checkpointing and with the flash attention kernel off, to show which setting avoids it.
-On CPU the same runs use the reduced-depth models (random:1 for FLUX, random:2 for SD3: real widths), 64 px,
-32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation images, with checkpointing only: this
-keeps the path working (a test runs it); its times mean nothing.
+On CPU the same runs, in the same dtypes (FLUX bf16, SD3 fp16), use the reduced-depth models (random:1 for FLUX,
+random:2 for SD3: real widths), 64 px, 32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation
+images, with checkpointing only: this keeps the path working (a test runs it); its times mean nothing.
 
   python tests/gpu_check.py --quick            # meant to fit 8 minutes on one H200 (not yet timed there)
   python tests/gpu_check.py --full             # every trainer with and without checkpointing
   python tests/gpu_check.py --models sd3 --trainers flow_grpo,g2rpo    # a subset
   python tests/gpu_check.py --computed         # no run: the memory every full-scale run needs before activations
+  python tests/gpu_check.py --precision        # the tiny pipelines in fp32, bf16, fp16: is the first update on-policy?
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 from helpers import TRAINERS  # noqa: E402  (found by their marker: a fork joins with flow_grpo's group)
 FAMILIES = ["flux", "sd3"]
 CUDA_BROKEN = ("CUDA error", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
@@ -74,7 +76,7 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, out: Path) ->
     module = importlib.import_module(trainer)
     M = module.MODEL_DEFAULTS[family]["micro_batch"] if gpu else 1
     argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
-            "--eval-every", 0, "--save-every", 0,
+            "--eval-every", 0, "--save-every", 0, "--dtype", common.GPU_DTYPES[family],  # on a CPU too
             "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
             "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing",
             *GROUPS.get(trainer, two_micro_batches)(M)]
@@ -232,6 +234,12 @@ def read_results(out: Path) -> list[dict]:
     return [json.loads(s) for s in path.read_text().splitlines()] if path.exists() else []
 
 
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |"
+                                                                                  for r in rows])
+
+
 def versions() -> str:
     import diffusers
     import torch
@@ -256,8 +264,7 @@ def table(results: list[dict]) -> str:
                      str(r.get("lora_rank", "-")), r.get("dtype", "-"), f("peak_gib", 1), f("s_per_it"),
                      f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), r["status"],
                      ", ".join(r["preflight_fails"]) or "none" if ok else "-"])
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
-                     ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown(head, rows)
 
 
 # ---- --computed: what a full-scale run holds before activations ----
@@ -282,7 +289,8 @@ def computed(trainers: list[str]) -> str:
         for trainer in trainers:
             module = importlib.import_module(trainer)                # the settings `--model family` runs
             d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
-            dtype = common.DTYPES[d.get("dtype", "bf16")]
+            d["dtype"] = d["dtype"] or common.GPU_DTYPES[family]     # a GPU's default
+            dtype = common.DTYPES[d["dtype"]]
             pipe = common.random_pipeline(family, "random", device="meta", dtype=dtype)
             transformer = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
             text = sum(p.numel() * p.element_size() for name, m in pipe.components.items()
@@ -310,14 +318,36 @@ def computed(trainers: list[str]) -> str:
             activations = rows_grad * tokens * width * 2 * (blocks + 16)
             rows.append([family, trainer, "8 (FSDP2)" if d.get("fsdp") else "any (DDP)", str(d["resolution"]),
                          f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
-                         f"{d.get('lora_rank') or 'full'}, {d.get('dtype', 'bf16')}", gib(frozen),
+                         f"{d.get('lora_rank') or 'full'}, {d['dtype']}", gib(frozen),
                          f"{gib(state)} ({n / 1e6:.0f}M)", gib(ref) if ref else "-",
                          f"{gib(reward)} ({', '.join(scorers)})",
                          gib(frozen + state + ref + reward), gib(frozen - text + state + ref + reward),
                          f"{gib(activations)} ({rows_grad} rows)", "unmeasured",
                          "unmeasured", "computed"])
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
-                     ["| " + " | ".join(r) + " |" for r in rows])
+    return markdown(head, rows)
+
+
+def precision(trainers: list[str], families: list[str]) -> str:
+    """The on-policy table: one iteration of each trainer on the tiny pipelines (tests/helpers.py) in each --dtype, on
+    this machine's device: the first update's ratio deviation and clip fraction (0: it reproduces the rollout's
+    log-probs), the second update's (the size of one optimizer step) and the rollout's mean reward."""
+    import tempfile
+
+    from helpers import read_metrics, run, tiny_argv
+    keys = ["ratio_dev_first_update", "clip_frac_first_update", "ratio_dev_second_update", "reward_mean"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            for trainer in trainers:
+                for dtype in common.DTYPES:
+                    out = Path(tmp) / f"{family}-{trainer}-{dtype}"
+                    argv = ["--dtype", dtype, "--iterations", "1", "--eval-every", "0", "--output-dir", str(out)]
+                    run(importlib.import_module(trainer), [*tiny_argv(trainer, family), *argv])
+                    m = read_metrics(out)[0]
+                    rows.append([family, f"`{trainer}`", dtype, *(f"{m[k]:.3g}" if m.get(k) is not None else "-"
+                                                                  for k in keys)])
+    head = ["model", "trainer", "dtype", *(f"`{k}`" for k in keys)]
+    return markdown(head, rows)
 
 
 def main(argv=None):
@@ -330,6 +360,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="output folder (default runs/gpu-check-<time>)")
     ap.add_argument("--cpu", action="store_true", help="the CPU mode even when a GPU is present")
     ap.add_argument("--computed", action="store_true", help="print the computed memory table and stop")
+    ap.add_argument("--precision", action="store_true", help="print the on-policy table of the tiny pipelines in each "
+                                                               "dtype on this device and stop")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--runs", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -339,6 +371,10 @@ def main(argv=None):
         ap.error(f"unknown {bad}: --models takes {', '.join(FAMILIES)}; --trainers takes {', '.join(TRAINERS)}")
     if a.computed:
         print(computed(trainers))
+        return None
+    if a.precision:
+        print(f"Measured {versions()}; the tiny pipelines of tests/helpers.py, one iteration each.\n\n"
+              f"{precision(trainers, families)}")
         return None
     import torch
     gpu = torch.cuda.is_available() and not a.cpu

@@ -61,10 +61,11 @@ def main(args: Args) -> dict:
     params = common.add_lora(transformer, args.lora_rank, args.lora_alpha, adapter.lora_targets)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     old = common.EMA(params, decay=args.old_decay, every=1, warmup=False)   # the old policy, a soft copy
-    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, None, eval_prompts, reward_fn,
+    guard = common.StepGuard(args.max_bad_steps, rt.device, loss_scaling=rt.dtype == torch.float16)
+    loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, None, eval_prompts, reward_fn, guard,
                                extra_state={"old_policy": old.shadow})
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed else transformer
-    guard, sigmas, b = common.StepGuard(args.max_bad_steps, rt.device), adapter.sigmas(T), args.guidance
+    sigmas, b = adapter.sigmas(T), args.guidance
     for it in range(run.start, args.iterations + 1):
         metrics = loop.begin(it)
         if metrics is None:

@@ -80,7 +80,8 @@ def row(trainer: str, model: str) -> str:
              f"{d['sample_steps']} / {d['eval_steps']}", guidance(model, d["guidance_scale"]),
              get("noise_level", "-"), f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
              f"{get('updates_per_rollout', '-')} / {get('clip_range', '-')}", tuning, get("lr"), get("beta", "-"),
-             d["dtype"], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}", f"`{d['reward']}`",
+             d["dtype"] or common.GPU_DTYPES[model], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}",
+             f"`{d['reward']}`",
              d["iterations"], f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -110,7 +110,7 @@ def toy_state(rt, layout: str):
     """The toy model fully fine-tuned in `layout` (fsdp: FSDP2 shards; ddp: plain tensors, as DDP keeps them), its
     AdamW and EMA."""
     adapter = common.load_model("toy", rt)
-    params = common.fully_shard_model(adapter.transformer, rt) if layout == "fsdp" else \
+    params = common.full_finetuning(adapter.transformer, rt, shard=True) if layout == "fsdp" else \
         common.add_lora(adapter.transformer, 0, 0.0, [])
     return adapter, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), common.EMA(params, every=1)
 

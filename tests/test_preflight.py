@@ -37,7 +37,7 @@ def test_the_toy_passes_then_the_real_run_starts_in_the_same_folder(tmp_path):
     assert code == 0 and report["passed"], report["rows"]
     r = rows(report)
     for check in ("toy: finite", "toy: spread over images", "toy: right vs shifted prompts", "ratio_dev_first_update",
-                  "kl_first_update", "gradients finite", "gradient norm before clipping",
+                  "clip_frac_first_update", "kl_first_update", "gradients finite", "gradient norm before clipping",
                   "step size, change / weights (L2)", "trained tensors that moved", "checkpoints on disk"):
         assert r[check]["status"] == "PASS", r[check]
     assert sorted(os.listdir(out)) == [".lock", "preflight.json"]  # the temporary run is gone (.lock: the folder
