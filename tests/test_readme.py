@@ -23,9 +23,12 @@ ONE_ITERATION = ["--iterations", "1", "--eval-every", "1", "--prompts-per-step",
 
 
 def test_the_defaults_table_is_generated_from_the_code():
+    """A forked method fails here until its rows are written in: run `python tests/readme_tables.py --write`."""
     table = readme_tables.defaults_table()
-    assert table in README, f"README.md's defaults table is out of date; run `python tests/readme_tables.py " \
-                            f"--write`. The code's table:\n{table}"
+    new = [t for t in TRAINERS if f"| toy | `{t}` |" not in README]
+    state = f"has no rows of {', '.join(new)}" if new else "is out of date"
+    assert table in README, f"README.md's defaults table {state}: run `python tests/readme_tables.py --write` (it " \
+                            f"writes the table from the trainers). The code's table:\n{table}"
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
