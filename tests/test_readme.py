@@ -31,6 +31,16 @@ def test_the_defaults_table_is_generated_from_the_code():
                             f"writes the table from the trainers). The code's table:\n{table}"
 
 
+def test_the_images_scored_are_counted_not_prompts_times_group():
+    """The toy rows against hand counts: g2rpo scores each of its G = 8 branches from each of its 4 branched steps
+    at each of its 3 strides, and each prompt's anchor; pro_grpo the previews of its 16 trajectories at the first
+    checkpoint, of the 8 kept at the second, and the 4 survivors' images."""
+    rows = [line.split(" | ") for line in readme_tables.defaults_table().splitlines()[2:]]
+    toy = {cells[1]: int(cells[7]) for cells in rows if cells[0] == "| toy"}
+    assert {t: toy[f"`{t}`"] for t in ("flow_grpo", "g2rpo", "pro_grpo", "v_grpo")} == {
+        "flow_grpo": 16 * 8, "g2rpo": 8 * (4 * 8 * 3 + 1), "pro_grpo": 8 * (16 + 8 + 4), "v_grpo": 16 * 8}
+
+
 @pytest.mark.parametrize("trainer", TRAINERS)
 @pytest.mark.parametrize("model", readme_tables.MODELS)
 def test_the_tables_defaults_are_what_the_command_line_applies(trainer, model):
