@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from helpers import TRAINERS, run  # noqa: E402
+import helpers  # noqa: E402
+from helpers import TRAINERS  # noqa: E402
 
 README = ROOT / "README.md"
 BASELINE = "flow_grpo"
@@ -71,11 +72,8 @@ def images_scored(module, d: dict) -> int:
     always prompts x group: g2rpo scores every branch at every stride and its anchors, pro_grpo its previews. The
     count depends on the method's settings, not on the model: counted on the toy with those settings, for the
     fewest prompts that its sizes accept, then scaled to --prompts-per-step."""
-    method = [f.name for f in dataclasses.fields(module.Args)
-              if f.name not in {*shared_fields(), "iterations", "prompts_per_step"} and d[f.name] is not None]
-    argv = tuple(word for name in method for word in
-                 ([f"--{'' if d[name] else 'no-'}{name.replace('_', '-')}"] if isinstance(d[name], bool)
-                  else [f"--{name.replace('_', '-')}", str(d[name])]))
+    argv = tuple(helpers.flags({f.name: d[f.name] for f in dataclasses.fields(module.Args) if d[f.name] is not None
+                                and f.name not in {*shared_fields(), "iterations", "prompts_per_step"}}))
     for prompts in (p for p in range(1, d["prompts_per_step"] + 1) if d["prompts_per_step"] % p == 0):
         try:
             return scored(module.__name__, argv, prompts) * d["prompts_per_step"] // prompts
@@ -89,8 +87,9 @@ def scored(trainer: str, argv: tuple, prompts: int) -> int:
     """reward_calls of one toy iteration of `trainer` with `argv` and `prompts` prompts, its output kept quiet."""
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
-        run(importlib.import_module(trainer), [*argv, "--iterations", "1", "--eval-every", "0", "--threads", "1",
-                                               "--prompts-per-step", str(prompts), "--output-dir", f"{out}/run"])
+        helpers.run(importlib.import_module(trainer), [*argv, "--iterations", "1", "--eval-every", "0", "--threads",
+                                                       "1", "--prompts-per-step", str(prompts), "--output-dir",
+                                                       f"{out}/run"])
         return json.loads(Path(out, "run", "metrics.jsonl").read_text().splitlines()[0])["reward_calls"]
 
 
