@@ -135,6 +135,8 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
+    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
     # --- G2RPO ---
     iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
@@ -357,7 +359,7 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             # [G2RPO, Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
             # deterministic ODE anchor from it; keep z_k and v_theta(z_k) for every k in M
-            fwd = adapter.counts["nfe_fwd"]
+            phase = common.work_snapshot(adapter, reward_fn, guard)  # a phase's work: work_done since its start
             anchor, velocities, finals = [], [], []          # (B, n_sde, ...), (B, n_sde, ...), (B, ...)
             for rows in chunks:
                 loop.stop_if_signalled(it)                   # a signal drops the rollout
@@ -373,7 +375,7 @@ def main(args: Args) -> dict:
                 velocities.append(torch.stack(vs[:n_sde], 1))
                 finals.append(z)
             anchor, velocities, finals = torch.cat(anchor), torch.cat(velocities), torch.cat(finals)
-            nfe_anchor, fwd = adapter.counts["nfe_fwd"] - fwd, adapter.counts["nfe_fwd"]
+            nfe_anchor = common.work_done(adapter, reward_fn, phase, guard)["nfe_fwd"]
 
             # [G2RPO, Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
             # anchor's v_theta(z_k) gives the step mean, so branching needs no evaluation (reading 4)
@@ -386,13 +388,14 @@ def main(args: Args) -> dict:
 
             # [G2RPO, MGAI] finish every branch with the ODE at every stride (reading 5), one k at a time
             branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
+            phase = common.work_snapshot(adapter, reward_fn, guard)
             latents = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
             for k in range(n_sde):
                 loop.stop_if_signalled(it)
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
                 latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
-            nfe_continuation = adapter.counts["nfe_fwd"] - fwd
+            nfe_continuation = common.work_done(adapter, reward_fn, phase, guard)["nfe_fwd"]
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----

@@ -143,6 +143,8 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
+    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
     # --- V-GRPO ---
     iterations: int = field(20, "training iterations (rollout + update)", at_least=0, at_most=10**9)

@@ -19,9 +19,10 @@ full scale. One command runs three phases:
   costs  Each trainer's work per iteration at its full-scale FLUX settings (its MODEL_DEFAULTS["flux"] group
          size, funnel, steps, strides, pairs, ...), counted on the tiny FLUX pipeline (tests/helpers.py): the
          real FLUX pipeline classes at tiny size with random weights, whose rewards mean nothing but whose counts
-         are those of the full-size settings. 2 prompts per iteration, reported per prompt, per sample (per prompt /
-         group size; Pro-GRPO's group is the trajectories started) and per the paper's iteration (its prompts per
-         iteration), next to the papers' own cost claims.
+         are those of the full-size settings. 2 prompts per iteration, reported per prompt, per image scored (per
+         reward call: what the trainer scores, not prompts x group; G2RPO scores every branch at every stride and
+         its anchors, Pro-GRPO its previews too) and per the paper's iteration (its prompts per iteration), next to
+         the papers' own cost claims.
 
 Every run is its own process on one CPU thread, --jobs at a time, forked from a server that has done the imports
 once (--no-fork: a new interpreter each, ~6 s more a run). Training seconds are the trainers' time_s
@@ -385,7 +386,7 @@ def analyze(runs: list[dict], settings: dict) -> dict:
         per_prompt["fwd_eq"] = per_prompt["nfe_fwd"] + FWD_BWD * per_prompt["nfe_fwd_bwd"]
         costs[r["method"]] = {"argv": r["argv"], "paper": paper, "settings": r["settings"],
                               "group_size": g, "sample_steps": r["sample_steps"], "per_prompt": per_prompt,
-                              "per_sample": {k: v / g for k, v in per_prompt.items()},
+                              "per_image": {k: v / per_prompt["reward_calls"] for k, v in per_prompt.items()},
                               "per_paper_iteration": {k: v * paper["prompts_per_step"] for k, v in per_prompt.items()},
                               "extra_per_prompt": {k: r[k] / p for k in r if k.startswith("nfe_") and k not in
                                                    ("nfe_fwd", "nfe_fwd_bwd", "nfe_total") and r[k] is not None
@@ -410,8 +411,8 @@ def md(head: list[str], rows: list[list[str]]) -> str:
 
 def counts_note(m: str, c: dict) -> str:
     """What the counts show, in the claim's units where it has them."""
-    s, p = c["per_sample"], c["per_prompt"]
-    note = f"{s['nfe_fwd']:.3g} fwd + {s['nfe_fwd_bwd']:.3g} fwd+bwd per sample"
+    s, p = c["per_image"], c["per_prompt"]
+    note = f"{s['nfe_fwd']:.3g} fwd + {s['nfe_fwd_bwd']:.3g} fwd+bwd per image scored"
     if "fwd_eq_per_prompt_vs_baseline" in c and m != BASELINE:
         ratio = c["fwd_eq_per_prompt_vs_baseline"]
         note += (f"; {1 / ratio:.2f}x fewer fwd-eq per prompt than {BASELINE}" if ratio < 1 else

@@ -1,21 +1,28 @@
 """The README's table of defaults, generated from the trainers themselves: one row per model and trainer, each
 cell the effective default of a setting (the `Args` field's default, replaced by the trainer's
-`MODEL_DEFAULTS[model]` for flux and sd3). tests/test_readme.py checks that README.md holds this table.
+`MODEL_DEFAULTS[model]` for flux and sd3), and the images the trainer scores per iteration at those settings,
+counted by running it (`images_scored`). tests/test_readme.py checks that README.md holds this table.
 
   python tests/readme_tables.py            # print the table
   python tests/readme_tables.py --write    # replace the table in README.md with it
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
+import io
+import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import helpers  # noqa: E402
 from helpers import TRAINERS  # noqa: E402
 
 README = ROOT / "README.md"
@@ -26,8 +33,8 @@ MODELS = ("toy", "sd3", "flux")
 COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", "sample_steps", "noise_level",
            "updates_per_rollout", "clip_range", "beta"}
 HEADER = ("| model | trainer | px | steps: sample / eval | guidance | SDE noise a | prompts x group (micro-batch) "
-          "| updates / clip | fine-tuning | lr | KL weight beta | dtype | EMA / grad. ckpt | reward | iterations "
-          "| eval every / images | the method's other defaults |")
+          "| images scored / iteration | updates / clip | fine-tuning | lr | KL weight beta | dtype "
+          "| EMA / grad. ckpt | reward | iterations | eval every / images | the method's other defaults |")
 
 
 def shared_fields() -> list[str]:
@@ -60,6 +67,32 @@ def flags(values: dict, names: list[str]) -> str:
     return f"`{' '.join(out)}`" if out else "-"
 
 
+def images_scored(module, d: dict) -> int:
+    """The images the trainer scores in one iteration at the settings `d` (its logged reward_calls), which is not
+    always prompts x group: g2rpo scores every branch at every stride and its anchors, pro_grpo its previews. The
+    count depends on the method's settings, not on the model: counted on the toy with those settings, for the
+    fewest prompts that its sizes accept, then scaled to --prompts-per-step."""
+    argv = tuple(helpers.flags({f.name: d[f.name] for f in dataclasses.fields(module.Args) if d[f.name] is not None
+                                and f.name not in {*shared_fields(), "iterations", "prompts_per_step"}}))
+    for prompts in (p for p in range(1, d["prompts_per_step"] + 1) if d["prompts_per_step"] % p == 0):
+        try:
+            return scored(module.__name__, argv, prompts) * d["prompts_per_step"] // prompts
+        except common.UsageError:                     # sizes that do not divide these prompts: more prompts
+            continue
+    raise ValueError(f"{module.__name__} runs at none of the divisors of --prompts-per-step {d['prompts_per_step']}")
+
+
+@functools.cache
+def scored(trainer: str, argv: tuple, prompts: int) -> int:
+    """reward_calls of one toy iteration of `trainer` with `argv` and `prompts` prompts, its output kept quiet."""
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        helpers.run(importlib.import_module(trainer), [*argv, "--iterations", "1", "--eval-every", "0", "--threads",
+                                                       "1", "--prompts-per-step", str(prompts), "--output-dir",
+                                                       f"{out}/run"])
+        return json.loads(Path(out, "run", "metrics.jsonl").read_text().splitlines()[0])["reward_calls"]
+
+
 def guidance(model: str, scale: float | None) -> str:
     if model == "toy" or scale is None:
         return "none"
@@ -79,6 +112,7 @@ def row(trainer: str, model: str) -> str:
     cells = [model, f"`{trainer}`", common.TOY_SIZE if model == "toy" else d["resolution"],
              f"{d['sample_steps']} / {d['eval_steps']}", guidance(model, d["guidance_scale"]),
              get("noise_level", "-"), f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
+             images_scored(module, d),
              f"{get('updates_per_rollout', '-')} / {get('clip_range', '-')}", tuning, get("lr"), get("beta", "-"),
              d["dtype"] or common.GPU_DTYPES[model], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}",
              f"`{d['reward']}`",

@@ -113,6 +113,10 @@ def test_quick_benchmark(tmp_path):
         c = data["costs"][r["method"]]
         assert c["per_prompt"]["nfe_fwd"] == r["nfe_fwd"] / r["prompts_per_step"] > 0
         assert c["per_prompt"]["fwd_eq"] == pytest.approx((r["nfe_fwd"] + 3 * r["nfe_fwd_bwd"]) / r["prompts_per_step"])
+        # per image scored: what the trainer scores (its reward calls), not prompts x group
+        assert c["per_image"]["nfe_fwd"] == pytest.approx(r["nfe_fwd"] / r["reward_calls"])
+        assert f"{c['per_image']['nfe_fwd']:.3g} fwd + {c['per_image']['nfe_fwd_bwd']:.3g} fwd+bwd per image " \
+               f"scored" in proc.stdout
         assert f"| {benchmark.label(r['method'])} | {c['paper']['prompts_per_step']} |" in proc.stdout
 
     img = Image.open(out / "benchmark.png")

@@ -23,9 +23,22 @@ ONE_ITERATION = ["--iterations", "1", "--eval-every", "1", "--prompts-per-step",
 
 
 def test_the_defaults_table_is_generated_from_the_code():
+    """A forked method fails here until its rows are written in: run `python tests/readme_tables.py --write`."""
     table = readme_tables.defaults_table()
-    assert table in README, f"README.md's defaults table is out of date; run `python tests/readme_tables.py " \
-                            f"--write`. The code's table:\n{table}"
+    new = [t for t in TRAINERS if f"| toy | `{t}` |" not in README]
+    state = f"has no rows of {', '.join(new)}" if new else "is out of date"
+    assert table in README, f"README.md's defaults table {state}: run `python tests/readme_tables.py --write` (it " \
+                            f"writes the table from the trainers). The code's table:\n{table}"
+
+
+def test_the_images_scored_are_counted_not_prompts_times_group():
+    """The toy rows against hand counts: g2rpo scores each of its G = 8 branches from each of its 4 branched steps
+    at each of its 3 strides, and each prompt's anchor; pro_grpo the previews of its 16 trajectories at the first
+    checkpoint, of the 8 kept at the second, and the 4 survivors' images."""
+    rows = [line.split(" | ") for line in readme_tables.defaults_table().splitlines()[2:]]
+    toy = {cells[1]: int(cells[7]) for cells in rows if cells[0] == "| toy"}
+    assert {t: toy[f"`{t}`"] for t in ("flow_grpo", "g2rpo", "pro_grpo", "v_grpo")} == {
+        "flow_grpo": 16 * 8, "g2rpo": 8 * (4 * 8 * 3 + 1), "pro_grpo": 8 * (16 + 8 + 4), "v_grpo": 16 * 8}
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

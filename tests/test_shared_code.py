@@ -1,6 +1,7 @@
 """Every trainer is a copy of flow_grpo.py: the blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME`
 must stay verbatim (like diffusers' "Copied from" check), trainers import only common, and stay readable.
 A trainer is any top-level .py file with the shared markers, so a forked method is checked without listing it."""
+import ast
 import dataclasses
 import importlib
 import re
@@ -56,6 +57,41 @@ def test_shared_blocks_are_verbatim_copies(name):
 
 def test_pro_grpo_trains_with_flow_grpo_update():
     assert "update" in shared_blocks(ROOT / "pro_grpo.py")
+
+
+def args_read_by_common() -> set[str]:
+    """The trainer's Args fields that common.py reads: attributes of `args`, `self.args`, and of `a` where it stands
+    for a trainer's args (`a = self.args` in TrainingLoop; the preflight's `_judge(loop, a, ...)`, `_reward_rows(loop,
+    a)`)."""
+    read = set()
+    for fn in ast.walk(ast.parse((ROOT / "common.py").read_text())):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        aliases = {"args"} | ({"a"} if [p.arg for p in fn.args.args][:2] == ["loop", "a"] else set())
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple | ast.Name):
+                pairs = zip(node.targets[0].elts, node.value.elts) if isinstance(node.targets[0], ast.Tuple) and \
+                    isinstance(node.value, ast.Tuple) else [(node.targets[0], node.value)]
+                aliases |= {t.id for t, v in pairs if isinstance(t, ast.Name) and ast.unparse(v) == "self.args"}
+        read |= {node.attr for node in ast.walk(fn) if isinstance(node, ast.Attribute) and
+                 ast.unparse(node.value) in aliases | {"self.args"}}
+    return read
+
+
+def test_the_fields_common_reads_are_shared_or_named_in_the_shared_block():
+    """A field that common.py reads is in the shared `args` block, or named there (in backticks) as one each method
+    defines with its own default; renamed in a fork, it would fail with a bare AttributeError. The names are exactly
+    those read, and every trainer has them."""
+    block = shared_blocks(ROOT / "flow_grpo.py")["args"]
+    shared = set(re.findall(r"^ +(\w+): ", block, flags=re.M))
+    named = set(re.findall(r"`(\w+)`", "".join(re.findall(r"^ +#(.*)$", block, flags=re.M))))
+    read = args_read_by_common()
+    assert {"iterations", "prompts_per_step", "seed", "lora_rank"} <= read   # the parse finds the reads
+    assert read - shared == named, f"common.py reads {sorted(read - shared)} outside the shared args block; the " \
+                                   f"block's comment names {sorted(named)}: name there what common.py reads"
+    for name in TRAINERS:
+        fields = {f.name for f in dataclasses.fields(importlib.import_module(name.removesuffix(".py")).Args)}
+        assert named <= fields, f"{name}: common.py reads {sorted(named - fields)}, which its Args lacks"
 
 
 @pytest.mark.parametrize("name", TRAINERS)
