@@ -722,12 +722,14 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # ==============================================================================================================
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
     """(train, eval) lists of records {"prompt": str, ...metadata} from a .txt file (one prompt a line) or a .jsonl
-    file (one object a line: "prompt", optional "split": "train" / "eval"), read by read_prompt_file; without splits
-    every 10th record is held out. Without a path: the toy's held-out pairs (train and eval) for the toy model, else
-    assets/prompts.txt."""
+    file (one object a line: "prompt", optional "split": "train" / "eval"), read by read_prompt_file (without splits
+    every 10th record is held out), or a prompt set's name (prompt_set). Without a path: the toy's held-out pairs
+    (train and eval) for the toy model, else assets/prompts.txt."""
     if path is None and model == "toy":
         recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
         return recs, recs
+    if (path or "").partition("@")[0] in PROMPT_SETS:
+        return prompt_set(path, model)
     recs = read_prompt_file(path or str(ASSETS / "prompts.txt"), model)
     if any("split" in r for r in recs):
         train, evals = ([r for r in recs if r.get("split", "train") == split] for split in ("train", "eval"))
@@ -1010,6 +1012,8 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
             raise UsageError(f"--{f.name.replace('_', '-')} '' is empty: pass a value or leave the flag out")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             check_flag(f.name, value, f.metadata.get("at_least"), f.metadata.get("at_most"))
+    if values.get("prompts") in PROMPT_SETS:  # args.json records the set's revision
+        values["prompts"] += "@" + REVISIONS[HPDV2 if values["prompts"] == "hpdv2" else FLOW_GRPO]
     return args_cls(**values)
 
 
@@ -2588,8 +2592,9 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     if not p.is_file():
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
                          f".jsonl (objects with a 'prompt' key) file")
+    import gzip
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        text = (gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
@@ -2598,7 +2603,7 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
         if not ln.strip():
             continue
         rec = {"prompt": ln.strip()}
-        if p.suffix.lower() == ".jsonl":
+        if p.name.lower().removesuffix(".gz").endswith(".jsonl"):
             try:
                 rec = json.loads(ln)
             except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
@@ -2617,6 +2622,70 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
         raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records without "
                          f"a split train too)")
     return recs
+
+
+# --prompts NAME -> (train, held-out): shipped (Flow-GRPO's small files, gzipped; source, commit, licence in their
+# README.md), else fetched on first use into the hub cache: Flow-GRPO's (path, git blob id), HPDv2's (file,).
+RAW_GITHUB, FLOW_GRPO, HPDV2 = "https://raw.githubusercontent.com", "yifan123/flow_grpo", "ymhao/HPDv2"
+REVISIONS = {FLOW_GRPO: "9745241cf1101407e9b518dd4f10498092150522", HPDV2: "bb0f2563e451e11c3f376b2ba93615db00e042e1"}
+PROMPT_SETS = {"pickscore": ("pickscore/train.txt.gz", "pickscore/test.txt.gz"),
+               "hpdv2": (("train.json",), ("test.json",)),
+               "ocr": (("dataset/ocr/train.txt", "3ce0521b77b0a9031191d66ecc36ebaaf27a3922"), "ocr/test.txt.gz"),
+               "geneval": (("dataset/geneval/train_metadata.jsonl", "0b97e8a6802c08fc7537cd00c76ae79c851bddcb"),
+                           "geneval/test_metadata.jsonl.gz"),
+               "drawbench": ("drawbench/train.txt.gz", "drawbench/test.txt.gz")}
+
+
+def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
+    """--prompts NAME, or NAME@REVISION as args.json records it: the set's (train, eval) records, its files (shipped,
+    or prompt_file) read as prompt files, HPDv2's JSON records as their distinct prompts."""
+    name, _, rev = spec.partition("@")
+    if rev not in ("", revision := REVISIONS[HPDV2 if name == "hpdv2" else FLOW_GRPO]) or model == "toy":
+        raise UsageError(f"--prompts {spec}: " + ("the toy model's prompts are its own: leave --prompts out" if model
+                                                  == "toy" else f"this code reads {revision}: pass --prompts {name}"))
+    files = [str(ASSETS / "prompt_sets" / source) if isinstance(source, str) else prompt_file(name, revision, source)
+             for source in PROMPT_SETS[name]]
+    if name != "hpdv2":
+        return read_prompt_file(files[0], model), read_prompt_file(files[1], model)
+    try:  # a JSON list of records (image pairs), each with its "prompt"
+        return tuple([{"prompt": p} for p in dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))]
+                     for f in files)
+    except (OSError, ValueError, RecursionError, TypeError, KeyError):
+        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records with a 'prompt': delete it") from None
+
+
+def prompt_file(name: str, revision: str, source: tuple) -> str:
+    """A fetched file of a prompt set, from the hub cache or fetched there first (refused while HF_HUB_OFFLINE is set):
+    HPDv2's by hf_hub_download (which checks its size), Flow-GRPO's saved only if it is the pinned git blob."""
+    import http.client
+    import urllib.request
+    from huggingface_hub import constants, hf_hub_download
+    cached = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0])
+    try:
+        if name == "hpdv2":  # offline, the cached file or LocalEntryNotFoundError
+            return hf_hub_download(HPDV2, source[0], repo_type="dataset", revision=revision)
+        if not cached.is_file():
+            if constants.HF_HUB_OFFLINE:
+                raise FileNotFoundError(cached)
+            with urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60) as answer:
+                data = answer.read()  # fewer bytes than its Content-Length raise IncompleteRead
+            if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
+                raise UsageError(f"--prompts {name}: the {source[0]} fetched is not git blob {source[1]}; not kept")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cached, data)
+    except (OSError, http.client.HTTPException) as e:
+        why = "is not in the hub cache while offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else \
+            f"could not be fetched ({one_line(e)}; nothing was kept)"
+        raise UsageError(f"--prompts {name} needs {source[0]}, which {why}: fetch it with `HF_HUB_OFFLINE=0 python "
+                         f"common.py fetch-prompts {name}`") from None
+    return str(cached)
+
+
+def fetch_prompts(names: list[str]):
+    """`python common.py fetch-prompts NAME ...`: brings prompt sets into the hub cache, for runs offline."""
+    with one_line_errors("common.py fetch-prompts"):
+        for name in names:
+            print(name, "train and held-out prompts:", *map(len, load_prompts(name, "sd3")))
 
 
 # ==============================================================================================================
@@ -2875,8 +2944,8 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
 if __name__ == "__main__":
-    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main, "fetch-prompts": fetch_prompts}
     if sys.argv[1:2] and sys.argv[1] in commands:
         commands[sys.argv[1]](sys.argv[2:])
     else:
-        print("usage: python common.py serve-reward | evaluate [--help]")
+        print("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]")
