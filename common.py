@@ -1942,7 +1942,7 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--model-path", help="default: the run's")
     ap.add_argument("--reward", help="as the trainers' --reward (default: the run's)")
     ap.add_argument("--prompts", help="as the trainers' --prompts, its held-out split scored (default: the run's)")
-    ap.add_argument("--all-prompts", action="store_true", help="score every prompt of the file (e.g. DrawBench)")
+    ap.add_argument("--all-prompts", action="store_true", help="score the training prompts too (all of a file or set)")
     ap.add_argument("--images", type=int, help="images in all, prompts cycling (default: the run's --eval-images)")
     ap.add_argument("--steps", type=int, help="ODE steps (default: the run's --eval-steps)")
     ap.add_argument("--seed", type=int, help="image i's noise is seeded by (seed, i) (default: the run's)")

@@ -26,8 +26,8 @@ MODELS = ("toy", "sd3", "flux")
 COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", "sample_steps", "noise_level",
            "updates_per_rollout", "clip_range", "beta"}
 HEADER = ("| model | trainer | px | steps: sample / eval | guidance | SDE noise a | prompts x group (micro-batch) "
-          "| updates / clip | fine-tuning | lr | KL weight beta | dtype | EMA / grad. ckpt | reward | iterations "
-          "| eval every / images | the method's other defaults |")
+          "| updates / clip | fine-tuning | lr | KL weight beta | dtype | EMA / grad. ckpt | reward | prompts "
+          "| iterations | eval every / images | the method's other defaults |")
 
 
 def shared_fields() -> list[str]:
@@ -81,7 +81,8 @@ def row(trainer: str, model: str) -> str:
              get("noise_level", "-"), f"{d['prompts_per_step']} x {d['group_size']} ({d['micro_batch']})",
              f"{get('updates_per_rollout', '-')} / {get('clip_range', '-')}", tuning, get("lr"), get("beta", "-"),
              d["dtype"], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}", f"`{d['reward']}`",
-             d["iterations"], f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
+             "the toy's" if model == "toy" else f"`{d['prompts']}`", d["iterations"],
+             f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
