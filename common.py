@@ -19,6 +19,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import gzip
 import hashlib
 import io
 import itertools
@@ -721,10 +722,9 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # 4. Prompts
 # ==============================================================================================================
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) lists of records {"prompt": str, ...metadata} from a .txt file (one prompt a line) or a .jsonl
-    file (one object a line: "prompt", optional "split": "train" / "eval"), read by read_prompt_file (without splits
-    every 10th record is held out), or a prompt set's name (prompt_set). Without a path: the toy's held-out pairs
-    (train and eval) for the toy model, else assets/prompts.txt."""
+    """(train, eval) record lists {"prompt": str, ...metadata}: a prompt set's (prompt_set), a .txt file's (a prompt a
+    line) or a .jsonl file's ("prompt", optional "split": "train" / "eval"; read_prompt_file), every 10th held out if
+    none has a split; without a path the toy's held-out pairs as both for the toy model, else assets/prompts.txt's."""
     if path is None and model == "toy":
         recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
         return recs, recs
@@ -2592,7 +2592,6 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     if not p.is_file():
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
                          f".jsonl (objects with a 'prompt' key) file")
-    import gzip
     try:
         text = (gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()).decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -2624,8 +2623,7 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     return recs
 
 
-# --prompts NAME -> (train, held-out): shipped (Flow-GRPO's small files, gzipped; source, commit, licence in their
-# README.md), else fetched on first use into the hub cache: Flow-GRPO's (path, git blob id), HPDv2's (file,).
+# --prompts NAME -> (train, held-out): a shipped file, else fetched: Flow-GRPO's (path, git blob id), HPDv2's (file,)
 RAW_GITHUB, FLOW_GRPO, HPDV2 = "https://raw.githubusercontent.com", "yifan123/flow_grpo", "ymhao/HPDv2"
 REVISIONS = {FLOW_GRPO: "9745241cf1101407e9b518dd4f10498092150522", HPDV2: "bb0f2563e451e11c3f376b2ba93615db00e042e1"}
 PROMPT_SETS = {"pickscore": ("pickscore/train.txt.gz", "pickscore/test.txt.gz"),
@@ -2637,8 +2635,7 @@ PROMPT_SETS = {"pickscore": ("pickscore/train.txt.gz", "pickscore/test.txt.gz"),
 
 
 def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
-    """--prompts NAME, or NAME@REVISION as args.json records it: the set's (train, eval) records, its files (shipped,
-    or prompt_file) read as prompt files, HPDv2's JSON records as their distinct prompts."""
+    """--prompts NAME (NAME@REVISION in args.json): its (train, eval) records; HPDv2's records give their prompts."""
     name, _, rev = spec.partition("@")
     if rev not in ("", revision := REVISIONS[HPDV2 if name == "hpdv2" else FLOW_GRPO]) or model == "toy":
         raise UsageError(f"--prompts {spec}: " + ("the toy model's prompts are its own: leave --prompts out" if model
@@ -2655,37 +2652,31 @@ def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
 
 
 def prompt_file(name: str, revision: str, source: tuple) -> str:
-    """A fetched file of a prompt set, from the hub cache or fetched there first (refused while HF_HUB_OFFLINE is set):
-    HPDv2's by hf_hub_download (which checks its size), Flow-GRPO's saved only if it is the pinned git blob."""
-    import http.client
+    """A set's file not shipped: in the hub cache, else fetched there and checked (HPDv2's size, Flow-GRPO's blob)."""
     import urllib.request
     from huggingface_hub import constants, hf_hub_download
     cached = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0])
     try:
-        if name == "hpdv2":  # offline, the cached file or LocalEntryNotFoundError
+        if name == "hpdv2":  # offline: the cached file, else LocalEntryNotFoundError
             return hf_hub_download(HPDV2, source[0], repo_type="dataset", revision=revision)
-        if not cached.is_file():
-            if constants.HF_HUB_OFFLINE:
-                raise FileNotFoundError(cached)
-            with urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60) as answer:
-                data = answer.read()  # fewer bytes than its Content-Length raise IncompleteRead
-            if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
-                raise UsageError(f"--prompts {name}: the {source[0]} fetched is not git blob {source[1]}; not kept")
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(cached, data)
-    except (OSError, http.client.HTTPException) as e:
-        why = "is not in the hub cache while offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else \
-            f"could not be fetched ({one_line(e)}; nothing was kept)"
-        raise UsageError(f"--prompts {name} needs {source[0]}, which {why}: fetch it with `HF_HUB_OFFLINE=0 python "
-                         f"common.py fetch-prompts {name}`") from None
+        if cached.is_file() or constants.HF_HUB_OFFLINE:  # offline, a file not cached raises FileNotFoundError
+            return str(cached.resolve(strict=True))
+        data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
+        if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
+            raise ValueError(f"not git blob {source[1]}")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cached, data)
+    except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short) and the hub raise many kinds
+        why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
+        raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
+                         f"fetch-prompts {name}` (a failed download keeps nothing)") from None
     return str(cached)
 
 
 def fetch_prompts(names: list[str]):
     """`python common.py fetch-prompts NAME ...`: brings prompt sets into the hub cache, for runs offline."""
     with one_line_errors("common.py fetch-prompts"):
-        for name in names:
-            print(name, "train and held-out prompts:", *map(len, load_prompts(name, "sd3")))
+        print("\n".join(f"{n}: {[len(s) for s in load_prompts(n, 'sd3')]} prompts (train, held out)" for n in names))
 
 
 # ==============================================================================================================

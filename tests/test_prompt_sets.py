@@ -80,8 +80,9 @@ def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_ca
         return
     with pytest.raises(common.UsageError) as e:
         common.load_prompts(name, "flux")
-    assert str(e.value).endswith(f"which is not in the hub cache while offline (HF_HUB_OFFLINE): fetch it with "
-                                 f"`HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`")
+    assert re.fullmatch(rf"--prompts {name} needs \S+, not in the hub cache while offline: fetch it with "
+                        rf"`HF_HUB_OFFLINE=0 python common\.py fetch-prompts {name}` \(a failed download keeps "
+                        rf"nothing\)", str(e.value)), str(e.value)
     if name == "hpdv2":  # records of image pairs: their distinct prompts, in order
         cache_fetched(offline_hub, name, json.dumps([{"prompt": "a cat", "x": 1}, {"prompt": "a dog"},
                                                      {"prompt": "a cat"}]), json.dumps([{"prompt": "a fox"}]))
@@ -168,9 +169,9 @@ def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_
     monkeypatch.setitem(common.PROMPT_SETS, "ocr", ((path, git_blob_id(good)), "ocr/test.txt.gz"))
     url_path = f"/{common.FLOW_GRPO}/{common.REVISIONS[common.FLOW_GRPO]}/{path}"
     cached = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO] / path
-    for body, declared, why in [(good[:100], len(good), "IncompleteRead"),    # cut short
-                                (good.replace(b"7", b"8"), None, "is not git blob"),  # same size, other bytes
-                                (b"", None, "is not git blob")]:
+    for body, declared, why in [(good[:100], len(good), r"not fetched \(IncompleteRead"),  # cut short
+                                (good.replace(b"7", b"8"), None, r"not fetched \(ValueError: not git blob"),  # altered
+                                (b"", None, "not git blob")]:
         with FileServer({url_path: (body, declared)}) as url:
             monkeypatch.setattr(common, "RAW_GITHUB", url)
             with pytest.raises(common.UsageError, match=why):
@@ -185,5 +186,5 @@ def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_
     assert common.load_prompts("ocr", "sd3")[0] == train
     with contextlib.suppress(FileNotFoundError):
         cached.unlink()
-    with pytest.raises(common.UsageError, match=r"could not be fetched \(URLError: .*nothing was kept\)"):
+    with pytest.raises(common.UsageError, match=r"not fetched \(URLError: .*a failed download keeps nothing"):
         common.load_prompts("ocr", "sd3")
