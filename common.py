@@ -2597,6 +2597,8 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
+    except (OSError, EOFError) as e:  # a .gz cut short or not gzip
+        raise UsageError(f"prompt file {path!r} does not read as gzip ({one_line(e)}): write it again") from None
     recs = []
     for n, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
@@ -2671,12 +2673,6 @@ def prompt_file(name: str, revision: str, source: tuple) -> str:
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
     return str(cached)
-
-
-def fetch_prompts(names: list[str]):
-    """`python common.py fetch-prompts NAME ...`: brings prompt sets into the hub cache, for runs offline."""
-    with one_line_errors("common.py fetch-prompts"):
-        print("\n".join(f"{n}: {[len(s) for s in load_prompts(n, 'sd3')]} prompts (train, held out)" for n in names))
 
 
 # ==============================================================================================================
@@ -2935,8 +2931,12 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
 if __name__ == "__main__":
-    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main, "fetch-prompts": fetch_prompts}
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
     if sys.argv[1:2] and sys.argv[1] in commands:
         commands[sys.argv[1]](sys.argv[2:])
+    elif sys.argv[1:2] == ["fetch-prompts"]:  # fetch-prompts NAME ...: prompt sets into the hub cache, for offline runs
+        with one_line_errors("common.py fetch-prompts"):
+            for name in sys.argv[2:]:
+                print(name, "prompts (train, held out):", *map(len, load_prompts(name, "sd3")))
     else:
         print("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]")

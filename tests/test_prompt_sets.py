@@ -188,3 +188,15 @@ def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_
         cached.unlink()
     with pytest.raises(common.UsageError, match=r"not fetched \(URLError: .*a failed download keeps nothing"):
         common.load_prompts("ocr", "sd3")
+
+
+def test_a_gzipped_prompt_file_is_read_and_one_that_does_not_decompress_is_one_line(tmp_path):
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a cat", "split": "eval"}\n{"prompt": "a dog"}\n'))
+    assert common.load_prompts(str(tmp_path / "p.jsonl.gz"), "sd3") == ([{"prompt": "a dog"}],
+                                                                        [{"prompt": "a cat", "split": "eval"}])
+    whole = gzip.compress(b"a cat\n" * 20)
+    for name, data in [("cut.txt.gz", whole[:-6]), ("plain.txt.gz", b"a cat\n")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(common.UsageError, match=rf"^prompt file '\S+{name}' does not read as gzip \((EOFError|"
+                                                    rf"BadGzipFile): .*\): write it again$"):
+            common.load_prompts(str(tmp_path / name), "sd3")
