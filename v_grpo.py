@@ -103,7 +103,7 @@ class Args:
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
                                "scorer served by common.py serve-reward: remote:http://HOST:PORT/NAME[:weight]")
     prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'), or a paper's prompt set: " +
-                                ", ".join(common.PROMPT_SETS) + " (README, Recipes); default: the toy's grammar")
+                                ", ".join(common.PROMPT_SETS) + " (README, Recipes); toy: leave unset (its grammar)")
     seed: int = field(0, "random seed (each rank adds its rank)", at_least=0, at_most=2**63 - 1)
     time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
                                     "0 = no limit", at_least=0)
