@@ -2585,15 +2585,15 @@ def got_ocr_read(processor, model, images: torch.Tensor, max_new_tokens: int) ->
 
 
 def read_prompt_file(path: str, model: str) -> list[dict]:
-    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, load_prompts), or
-    a UsageError naming the file and line: missing, not UTF-8, a .jsonl line without a non-empty string "prompt" or
-    with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
+    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, gzipped if .gz), or a
+    UsageError naming the file and line: missing, not gzip or UTF-8, a .jsonl line without a non-empty string "prompt"
+    or with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
                          f".jsonl (objects with a 'prompt' key) file")
     try:
-        text = (gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()).decode("utf-8-sig")
+        text = (gzip.decompress(p.read_bytes()) if p.suffix.lower() == ".gz" else p.read_bytes()).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
