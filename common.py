@@ -19,6 +19,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import gzip
 import hashlib
 import io
 import itertools
@@ -721,13 +722,14 @@ def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
 # 4. Prompts
 # ==============================================================================================================
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) lists of records {"prompt": str, ...metadata} from a .txt file (one prompt a line) or a .jsonl
-    file (one object a line: "prompt", optional "split": "train" / "eval"), read by read_prompt_file; without splits
-    every 10th record is held out. Without a path: the toy's held-out pairs (train and eval) for the toy model, else
-    assets/prompts.txt."""
+    """(train, eval) record lists {"prompt": str, ...metadata}: a prompt set's (prompt_set), a .txt file's (a prompt a
+    line) or a .jsonl file's ("prompt", optional "split": "train" / "eval"; read_prompt_file), every 10th held out if
+    none has a split; without a path the toy's held-out pairs as both for the toy model, else assets/prompts.txt's."""
     if path is None and model == "toy":
         recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
         return recs, recs
+    if (path or "").partition("@")[0] in PROMPT_SETS:
+        return prompt_set(path, model)
     recs = read_prompt_file(path or str(ASSETS / "prompts.txt"), model)
     if any("split" in r for r in recs):
         train, evals = ([r for r in recs if r.get("split", "train") == split] for split in ("train", "eval"))
@@ -1005,6 +1007,8 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
             raise UsageError(f"--{f.name.replace('_', '-')} '' is empty: pass a value or leave the flag out")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             check_flag(f.name, value, f.metadata.get("at_least"), f.metadata.get("at_most"))
+    if values.get("prompts") in PROMPT_SETS:  # args.json records the set's revision
+        values["prompts"] += "@" + REVISIONS[HPDV2 if values["prompts"] == "hpdv2" else FLOW_GRPO]
     return args_cls(**values)
 
 
@@ -1940,7 +1944,7 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--model-path", help="default: the run's")
     ap.add_argument("--reward", help="as the trainers' --reward (default: the run's)")
     ap.add_argument("--prompts", help="as the trainers' --prompts, its held-out split scored (default: the run's)")
-    ap.add_argument("--all-prompts", action="store_true", help="score every prompt of the file (e.g. DrawBench)")
+    ap.add_argument("--all-prompts", action="store_true", help="score the training prompts too (all of a file or set)")
     ap.add_argument("--images", type=int, help="images in all, prompts cycling (default: the run's --eval-images)")
     ap.add_argument("--steps", type=int, help="ODE steps (default: the run's --eval-steps)")
     ap.add_argument("--seed", type=int, help="image i's noise is seeded by (seed, i) (default: the run's)")
@@ -2581,24 +2585,26 @@ def got_ocr_read(processor, model, images: torch.Tensor, max_new_tokens: int) ->
 
 
 def read_prompt_file(path: str, model: str) -> list[dict]:
-    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, load_prompts), or
-    a UsageError naming the file and line: missing, not UTF-8, a .jsonl line without a non-empty string "prompt" or
-    with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
+    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, gzipped if .gz), or a
+    UsageError naming the file and line: missing, not gzip or UTF-8, a .jsonl line without a non-empty string "prompt"
+    or with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
                          f".jsonl (objects with a 'prompt' key) file")
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        text = (gzip.decompress(p.read_bytes()) if p.suffix.lower() == ".gz" else p.read_bytes()).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
+    except (OSError, EOFError) as e:  # a .gz cut short or not gzip
+        raise UsageError(f"prompt file {path!r} does not read as gzip ({one_line(e)}): write it again") from None
     recs = []
     for n, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
             continue
         rec = {"prompt": ln.strip()}
-        if p.suffix.lower() == ".jsonl":
+        if p.name.lower().removesuffix(".gz").endswith(".jsonl"):
             try:
                 rec = json.loads(ln)
             except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
@@ -2617,6 +2623,56 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
         raise UsageError(f"prompt file {path!r} has no training prompts: mark some 'split': 'train' (records without "
                          f"a split train too)")
     return recs
+
+
+# --prompts NAME -> (train, held-out): a shipped file, else fetched: Flow-GRPO's (path, git blob id), HPDv2's (file,)
+RAW_GITHUB, FLOW_GRPO, HPDV2 = "https://raw.githubusercontent.com", "yifan123/flow_grpo", "ymhao/HPDv2"
+REVISIONS = {FLOW_GRPO: "9745241cf1101407e9b518dd4f10498092150522", HPDV2: "bb0f2563e451e11c3f376b2ba93615db00e042e1"}
+PROMPT_SETS = {"pickscore": ("pickscore/train.txt.gz", "pickscore/test.txt.gz"),
+               "hpdv2": (("train.json",), ("test.json",)),
+               "ocr": (("dataset/ocr/train.txt", "3ce0521b77b0a9031191d66ecc36ebaaf27a3922"), "ocr/test.txt.gz"),
+               "geneval": (("dataset/geneval/train_metadata.jsonl", "0b97e8a6802c08fc7537cd00c76ae79c851bddcb"),
+                           "geneval/test_metadata.jsonl.gz"),
+               "drawbench": ("drawbench/train.txt.gz", "drawbench/test.txt.gz")}
+
+
+def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
+    """--prompts NAME (NAME@REVISION in args.json): its (train, eval) records; HPDv2's records give their prompts."""
+    name, _, rev = spec.partition("@")
+    if rev not in ("", revision := REVISIONS[HPDV2 if name == "hpdv2" else FLOW_GRPO]) or model == "toy":
+        raise UsageError(f"--prompts {spec}: " + ("the toy model's prompts are its own: leave --prompts out" if model
+                                                  == "toy" else f"this code reads {revision}: pass --prompts {name}"))
+    files = [str(ASSETS / "prompt_sets" / source) if isinstance(source, str) else prompt_file(name, revision, source)
+             for source in PROMPT_SETS[name]]
+    if name != "hpdv2":
+        return read_prompt_file(files[0], model), read_prompt_file(files[1], model)
+    try:  # a JSON list of records (image pairs), each with its "prompt"
+        return tuple([{"prompt": p} for p in dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))]
+                     for f in files)
+    except (OSError, ValueError, RecursionError, TypeError, KeyError):
+        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records with a 'prompt': delete it") from None
+
+
+def prompt_file(name: str, revision: str, source: tuple) -> str:
+    """A set's file not shipped: in the hub cache, else fetched there and checked (HPDv2's size, Flow-GRPO's blob)."""
+    import urllib.request
+    from huggingface_hub import constants, hf_hub_download
+    cached = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0])
+    try:
+        if name == "hpdv2":  # offline: the cached file, else LocalEntryNotFoundError
+            return hf_hub_download(HPDV2, source[0], repo_type="dataset", revision=revision)
+        if cached.is_file() or constants.HF_HUB_OFFLINE:  # offline, a file not cached raises FileNotFoundError
+            return str(cached.resolve(strict=True))
+        data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
+        if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
+            raise ValueError(f"not git blob {source[1]}")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cached, data)
+    except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short) and the hub raise many kinds
+        why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
+        raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
+                         f"fetch-prompts {name}` (a failed download keeps nothing)") from None
+    return str(cached)
 
 
 # ==============================================================================================================
@@ -2885,5 +2941,9 @@ if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
     if sys.argv[1:2] and sys.argv[1] in commands:
         commands[sys.argv[1]](sys.argv[2:])
+    elif sys.argv[1:2] == ["fetch-prompts"]:  # fetch-prompts NAME ...: prompt sets into the hub cache, for offline runs
+        with one_line_errors("common.py fetch-prompts"):
+            for name in sys.argv[2:]:
+                print(name, "prompts (train, held out):", *map(len, load_prompts(name, "sd3")))
     else:
-        print("usage: python common.py serve-reward | evaluate [--help]")
+        print("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]")

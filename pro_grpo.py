@@ -100,8 +100,8 @@ class Args:
                                          "published architecture with random weights, random:N with N blocks")
     reward: str = field("toy", "reward spec 'name[:weight],...' from: " + ", ".join(common.REWARDS) + "; or a "
                                "scorer served by common.py serve-reward: remote:http://HOST:PORT/NAME[:weight]")
-    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'); default: toy grammar or "
-                                      "assets/prompts.txt")
+    prompts: str | None = field(None, "prompt file (.txt, or .jsonl with 'prompt'), or a paper's prompt set: " +
+                                ", ".join(common.PROMPT_SETS) + " (README, Recipes); toy: leave unset (its grammar)")
     seed: int = field(0, "random seed (each rank adds its rank)", at_least=0, at_most=2**63 - 1)
     time_budget: float = field(0.0, "also stop once training (evaluation excluded) has taken this many seconds; "
                                     "0 = no limit", at_least=0)
@@ -173,6 +173,7 @@ class Args:
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
+        "prompts": "pickscore",               # Pick-a-Pic prompts, as Flow-GRPO
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 40,
@@ -193,6 +194,7 @@ MODEL_DEFAULTS = {
     },
     "flux": {
         "reward": "pickscore",
+        "prompts": "pickscore",               # as Flow-GRPO's FLUX config
         "eval_every": 30,
         "eval_images": 256,
         "eval_steps": 28,

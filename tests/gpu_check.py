@@ -77,6 +77,7 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, out: Path) ->
     M = module.MODEL_DEFAULTS[family]["micro_batch"] if gpu else 1
     argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
             "--eval-every", 0, "--save-every", 0, "--dtype", common.GPU_DTYPES[family],  # on a CPU too
+            "--prompts", "pickscore",  # shipped: hpdv2 may not be cached
             "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
             "--gradient-checkpointing" if ckpt else "--no-gradient-checkpointing",
             *GROUPS.get(trainer, two_micro_batches)(M)]

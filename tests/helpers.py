@@ -60,6 +60,7 @@ TINY_CONFIGS = {
 # The smoke-run sizes of a run on a tiny pipeline, set over the trainer's flux / sd3 table (`tiny_argv`).
 SMOKE = {
     "reward": "jpeg",
+    "prompts": str(common.ASSETS / "prompts.txt"),
     "iterations": 2,
     "eval_every": 1,
     "eval_images": 4,

@@ -34,7 +34,7 @@ COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", 
            "updates_per_rollout", "clip_range", "beta"}
 HEADER = ("| model | trainer | px | steps: sample / eval | guidance | SDE noise a | prompts x group (micro-batch) "
           "| images scored / iteration | updates / clip | fine-tuning | lr | KL weight beta | dtype "
-          "| EMA / grad. ckpt | reward | iterations | eval every / images | the method's other defaults |")
+          "| EMA / grad. ckpt | reward | prompts | iterations | eval every / images | the method's other defaults |")
 
 
 def shared_fields() -> list[str]:
@@ -115,8 +115,8 @@ def row(trainer: str, model: str) -> str:
              images_scored(module, d),
              f"{get('updates_per_rollout', '-')} / {get('clip_range', '-')}", tuning, get("lr"), get("beta", "-"),
              d["dtype"] or common.GPU_DTYPES[model], f"{onoff[d['ema']]} / {onoff[d['gradient_checkpointing']]}",
-             f"`{d['reward']}`",
-             d["iterations"], f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
+             f"`{d['reward']}`", "the toy's" if model == "toy" else f"`{d['prompts']}`", d["iterations"],
+             f"{d['eval_every']} / {d['eval_images']}", flags(d, other)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 

@@ -141,6 +141,8 @@ def test_cli_defaults_are_the_toy_run_and_the_model_table_overrides_them():
     flux = common.cli(flow_grpo.Args, ["--model", "flux"], flow_grpo.MODEL_DEFAULTS)
     for name, default in dataclasses.asdict(toy).items():
         expected = flow_grpo.MODEL_DEFAULTS["flux"].get(name, default)
+        if name == "prompts":  # a prompt set is recorded with its revision
+            expected += "@" + common.REVISIONS[common.FLOW_GRPO]
         assert getattr(flux, name) == ("flux" if name == "model" else expected), name
 
 

@@ -1,0 +1,202 @@
+"""--prompts NAME: the shipped files are their sources, every name resolves offline (shipped, or from a hub cache laid
+out as the real one) or is refused in one line before anything is written, and a fetch keeps only the pinned file."""
+import contextlib
+import gzip
+import hashlib
+import http.server
+import importlib
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+import common
+from helpers import TRAINERS
+
+SETS = common.ASSETS / "prompt_sets"
+NOTICE_ROW = re.compile(r"^\| `(\S+)` \| `(\S+)` \| `([0-9a-f]{40})` \| `([0-9a-f]{64})` \| (\d+) \| (\d+) \|$", re.M)
+FETCHED = {"ocr", "geneval", "hpdv2"}
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def notice() -> dict:
+    """The README.md beside the shipped files: file -> (source, git blob id, sha256, bytes, prompts)."""
+    return {m[0]: m[1:] for m in NOTICE_ROW.findall((SETS / "README.md").read_text())}
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE set and an empty hub cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def cache_fetched(hub: Path, name: str, train: str, held_out: str):
+    """The files of set `name` that are not shipped, laid out in `hub` as prompt_file keeps them: HPDv2's in the hub's
+    own layout (datasets--OWNER--NAME/snapshots/REVISION/FILE), Flow-GRPO's under prompt-sets/OWNER/NAME/COMMIT/."""
+    for source, text in zip(common.PROMPT_SETS[name], (train, held_out)):
+        if isinstance(source, str):
+            continue
+        if name == "hpdv2":
+            path = hub / f"datasets--{common.HPDV2.replace('/', '--')}" / "snapshots" / common.REVISIONS[common.HPDV2]
+        else:
+            path = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO]
+        (path / source[0]).parent.mkdir(parents=True, exist_ok=True)
+        (path / source[0]).write_text(text)
+
+
+def test_every_shipped_file_is_its_source_file_and_held_out_split(offline_hub):
+    for name in ("ocr", "geneval"):  # their train files are fetched: a stand-in
+        cache_fetched(offline_hub, name, '{"prompt": "p"}\n', "")
+    rows = notice()
+    shipped = {s for sources in common.PROMPT_SETS.values() for s in sources if isinstance(s, str)}
+    assert set(rows) == shipped and (SETS / "LICENSE").read_text().startswith("MIT License")
+    for file, (source, blob, sha256, size, count) in rows.items():
+        data = gzip.decompress((SETS / file).read_bytes())
+        assert (git_blob_id(data), hashlib.sha256(data).hexdigest(), len(data)) == (blob, sha256, int(size)), file
+        assert file == source + ".gz"
+        lines = [ln.strip() for ln in data.decode().splitlines() if ln.strip()]
+        assert len(lines) == int(count), file
+        name = file.split("/")[0]
+        train, held_out = common.load_prompts(name, "sd3")
+        split = held_out if "test" in file else train
+        want = [json.loads(ln) for ln in lines] if file.endswith(".jsonl.gz") else [{"prompt": ln} for ln in lines]
+        assert split == want, file  # the set's split is the source file, line by line, metadata kept
+    assert notice()["geneval/test_metadata.jsonl.gz"][4] == "2212"
+
+
+@pytest.mark.parametrize("name", common.PROMPT_SETS)
+def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_cache(name, offline_hub):
+    if name not in FETCHED:
+        train, held_out = common.load_prompts(name, "flux")
+        assert train and held_out
+        return
+    with pytest.raises(common.UsageError) as e:
+        common.load_prompts(name, "flux")
+    assert re.fullmatch(rf"--prompts {name} needs \S+, not in the hub cache while offline: fetch it with "
+                        rf"`HF_HUB_OFFLINE=0 python common\.py fetch-prompts {name}` \(a failed download keeps "
+                        rf"nothing\)", str(e.value)), str(e.value)
+    if name == "hpdv2":  # records of image pairs: their distinct prompts, in order
+        cache_fetched(offline_hub, name, json.dumps([{"prompt": "a cat", "x": 1}, {"prompt": "a dog"},
+                                                     {"prompt": "a cat"}]), json.dumps([{"prompt": "a fox"}]))
+        assert common.load_prompts(name, "flux") == ([{"prompt": "a cat"}, {"prompt": "a dog"}], [{"prompt": "a fox"}])
+        cache_fetched(offline_hub, name, json.dumps({"prompt": "not a list"}), "[]")
+        with pytest.raises(common.UsageError, match="is not HPDv2's list of records with a 'prompt'"):
+            common.load_prompts(name, "flux")
+        return
+    record = {"prompt": 'a sign that says "hi"', "tag": "t"}
+    cache_fetched(offline_hub, name, json.dumps(record) if name == "geneval" else record["prompt"], "")
+    train, held_out = common.load_prompts(name, "flux")
+    assert train == [record if name == "geneval" else {"prompt": record["prompt"]}]  # GenEval's keep their metadata
+    assert held_out == common.load_prompts(name, "sd3")[1] and len(held_out) == {"ocr": 1018, "geneval": 2212}[name]
+
+
+def test_a_set_is_recorded_with_its_revision_and_read_only_at_it():
+    flow_grpo = importlib.import_module("flow_grpo")
+    args = common.cli(flow_grpo.Args, ["--model", "sd3", "--prompts", "pickscore"], flow_grpo.MODEL_DEFAULTS)
+    assert args.prompts == "pickscore@" + common.REVISIONS[common.FLOW_GRPO]
+    assert common.load_prompts(args.prompts, "sd3") == common.load_prompts("pickscore", "sd3")
+    with pytest.raises(common.UsageError, match=f"this code reads {common.REVISIONS[common.FLOW_GRPO]}: pass "
+                                                f"--prompts drawbench"):
+        common.load_prompts("drawbench@0123456", "sd3")
+    with pytest.raises(common.UsageError, match="the toy model's prompts are its own: leave --prompts out"):
+        common.load_prompts("pickscore", "toy")
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_set_not_cached_offline_is_one_line_before_anything_is_written_or_loaded(trainer, offline_hub, tmp_path,
+                                                                                   capsys, monkeypatch):
+    module = importlib.import_module(trainer)
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    argv = ["--model", "sd3", "--model-path", "random:1", "--reward", "jpeg", "--prompts", "ocr", "--output-dir",
+            str(tmp_path / "run")]
+    for call in (lambda: common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv),
+                 lambda: common.evaluate_main(["--model", "sd3", "--model-path", "random:1", "--reward", "jpeg",
+                                               "--prompts", "hpdv2", "--output", str(tmp_path / "run")])):
+        with pytest.raises(SystemExit) as stop:
+            call()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts " in err, err
+        assert not (tmp_path / "run").exists() and not offline_hub.exists()
+
+
+class FileServer:
+    """A local HTTP server for the fetch tests: each path of `files` answers its bytes, declaring `declared` bytes
+    (default: their length), so a shorter body is a download cut short. Serves until the block ends."""
+
+    def __init__(self, files: dict[str, tuple[bytes, int | None]]):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path not in files:
+                    self.send_error(404)
+                    return
+                body, declared = files[self.path]
+                self.send_response(200)
+                self.send_header("Content-Length", str(declared or len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.timeout = 5
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    good = "".join(f"a poster that says \"{i}\"\n" for i in range(50)).encode()
+    path = "dataset/ocr/train.txt"
+    monkeypatch.setitem(common.PROMPT_SETS, "ocr", ((path, git_blob_id(good)), "ocr/test.txt.gz"))
+    url_path = f"/{common.FLOW_GRPO}/{common.REVISIONS[common.FLOW_GRPO]}/{path}"
+    cached = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO] / path
+    for body, declared, why in [(good[:100], len(good), r"not fetched \(IncompleteRead"),  # cut short
+                                (good.replace(b"7", b"8"), None, r"not fetched \(ValueError: not git blob"),  # altered
+                                (b"", None, "not git blob")]:
+        with FileServer({url_path: (body, declared)}) as url:
+            monkeypatch.setattr(common, "RAW_GITHUB", url)
+            with pytest.raises(common.UsageError, match=why):
+                common.load_prompts("ocr", "sd3")
+        assert not hub.exists() or not any(p.is_file() for p in hub.rglob("*")), list(hub.rglob("*"))
+    with FileServer({url_path: (good, None)}) as url:
+        monkeypatch.setattr(common, "RAW_GITHUB", url)
+        train, held_out = common.load_prompts("ocr", "sd3")
+    assert cached.read_bytes() == good and [p for p in hub.rglob("*") if p.is_file()] == [cached]
+    assert train == [{"prompt": f'a poster that says "{i}"'} for i in range(50)] and len(held_out) == 1018
+    monkeypatch.setattr(common, "RAW_GITHUB", "http://127.0.0.1:9")  # nothing listens: the cached file is read
+    assert common.load_prompts("ocr", "sd3")[0] == train
+    with contextlib.suppress(FileNotFoundError):
+        cached.unlink()
+    with pytest.raises(common.UsageError, match=r"not fetched \(URLError: .*a failed download keeps nothing"):
+        common.load_prompts("ocr", "sd3")
+
+
+def test_a_gzipped_prompt_file_is_read_and_one_that_does_not_decompress_is_one_line(tmp_path):
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a cat", "split": "eval"}\n{"prompt": "a dog"}\n'))
+    assert common.load_prompts(str(tmp_path / "p.jsonl.gz"), "sd3") == ([{"prompt": "a dog"}],
+                                                                        [{"prompt": "a cat", "split": "eval"}])
+    whole = gzip.compress(b"a cat\n" * 20)
+    for name, data in [("cut.txt.gz", whole[:-6]), ("plain.txt.gz", b"a cat\n")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(common.UsageError, match=rf"^prompt file '\S+{name}' does not read as gzip \((EOFError|"
+                                                    rf"BadGzipFile): .*\): write it again$"):
+            common.load_prompts(str(tmp_path / name), "sd3")
