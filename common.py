@@ -1164,7 +1164,7 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 class UpdateStats:
     """An update's statistics under the keys a trainer gives, fetched once per optimizer step (one host sync):
     metrics(), each key's mean over the backward passes and grad_norm's over the steps that stepped (StepGuard: NaN
-    for a skipped one); max / mean, one key's, or its step `step`'s."""
+    for a skipped one); max / mean, one key's or its step `step`'s."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1660,8 +1660,8 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
         state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
     if extra_state:
         state["extra"] = extra_state
-    if scaler is not None:
-        state["scaler"] = scaler.state_dict()
+    if scaler is not None:  # a Stateful: dcp.save takes its state_dict(), dcp.load gives it load_state_dict()
+        state["scaler"] = scaler
     return state
 
 
@@ -1761,7 +1761,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    scaler = scaler if info.get("loss_scale") else None
+    scaler = scaler if info.get("loss_scale") else None           # none saved (another --dtype): it starts fresh
     state = training_state(params, optimizer, ema, extra_state, scaler)
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
@@ -1769,8 +1769,6 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
         single_process(dcp.load, state, checkpoint / "state")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
         raise not_written_here(checkpoint, f"state/ does not load ({one_line(e)})") from None
     return float(info["elapsed"])
