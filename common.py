@@ -838,8 +838,12 @@ def make_generator(*keys: int) -> torch.Generator:
 
 
 def print0(*args, **kwargs):
+    """print on rank 0, flushed; once the reader of its file has gone (a closed pipe) printing stops, not the run."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
+        try:
+            print(*args, **kwargs, flush=True)
+        except BrokenPipeError:  # the file is /dev/null from now on
+            os.dup2(os.open(os.devnull, os.O_WRONLY), kwargs.get("file", sys.stdout).fileno())
 
 
 @contextlib.contextmanager
@@ -1791,8 +1795,9 @@ class Logger:
         append_line(self.path, metrics)
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
         from tqdm import tqdm
-        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
-                                                                if isinstance(metrics.get(k), (int, float))))
+        with tqdm.external_write_mode():  # above the progress bar
+            print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
+                                                              if isinstance(metrics.get(k), (int, float))))
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["iteration"])
 
@@ -2009,13 +2014,13 @@ def _evaluate_main(a) -> dict:
         del adapter
     if rt.is_main:
         names = ["reward"] + [short_reward_name(n) for n in reward_fn.weights]
-        print(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
-              f"reward {reward_spec}")
+        print0(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
+               f"reward {reward_spec}")
         for label, m in results.items():
             for name in names:
-                print(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
+                print0(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
             if "eval_accuracy" in m:
-                print(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
+                print0(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
         summary = {"model": model, "checkpoints": {label: str(ckpt.resolve()) if ckpt else None
                                                    for label, ckpt, _, _ in entries},
                    "reward": reward_spec, "prompts": pick("prompts", "prompts"),
@@ -2024,7 +2029,7 @@ def _evaluate_main(a) -> dict:
         write_atomic(out_dir / "results.json", json.dumps(summary, indent=2))
         merged = [(prompt, torch.cat([r[i][1] for r in rows])) for i, (prompt, _) in enumerate(rows[0])]
         save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
-        print(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
+        print0(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
     return results
 
 
@@ -2351,7 +2356,7 @@ def serve_reward(argv=None):
             raise UsageError(f"cannot serve at {a.host}:{a.port} ({e}): pass another --port or --host") from None
         check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
-    print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
+    print0(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}")
     server.serve_forever()
 
 
@@ -2876,7 +2881,8 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
 if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
-    if sys.argv[1:2] and sys.argv[1] in commands:
-        commands[sys.argv[1]](sys.argv[2:])
-    else:
-        print("usage: python common.py serve-reward | evaluate [--help]")
+    if not (sys.argv[1:2] and sys.argv[1] in commands):
+        report("usage: python common.py serve-reward | evaluate [--help]", 2)
+    for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
+        signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
+    commands[sys.argv[1]](sys.argv[2:])
