@@ -33,6 +33,7 @@ import signal
 import socket
 import stat
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -1531,9 +1532,8 @@ def writable_folder(folder: Path, flag: str):
     """Makes `folder` if need be and probes that a file can be written there; a UsageError names `flag`."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=folder, buffering=0) as probe:  # never left behind, even if the write fails
+            probe.write(b"ok")
     except OSError as e:
         raise UsageError(f"cannot write to {flag} {folder} ({e.strerror or e}): pass a writable folder") from None
 
@@ -1679,9 +1679,11 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
                               f"--resume {run_dir} with a smaller --lr")
     if broadcast_object(final.is_dir()):
         return final
-    tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
+    tmp, kept = broadcast_object((final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}",  # never reused
+                                  newest_checkpoint(run_dir)))
     write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state)
+                     rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest kept is "
+                         f"{kept.name if kept else 'none'}", extra_state)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1721,7 +1723,7 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params)}
                 (folder / "checkpoint.json").write_text(own_json(info))
-        except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
     if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
         if rt.is_main:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import shutil
 import socket
@@ -15,8 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import common
@@ -243,6 +246,48 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monke
         run(flow_grpo, [*tiny(), "--iterations", "2", "--output-dir", str(r), "--resume", str(r)])
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["iter_000001", "latest"]
     assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
+
+
+def test_a_full_disk_at_the_published_weights_is_one_line_and_a_retry_takes_a_new_name(tmp_path, capsys, monkeypatch):
+    """state/ fits, then the transformer's safetensors file fills the disk (safetensors' own error): one line naming
+    the disk error and the newest checkpoint kept, nothing half written left; each try writes under a new name."""
+    from safetensors import SafetensorError
+    r = tmp_path / "r"
+    run(flow_grpo, [*TOY, "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
+    tries = []
+
+    def disk_full(tensors, filename, *a, **k):
+        tries.append(Path(filename).parent.parent.name)
+        Path(filename).write_bytes(b"\0" * 100)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "2", "--eval-every", "0", "--resume", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err and "FileExistsError" not in err, err
+    assert f"could not write the checkpoint of iteration 2 to {r / 'checkpoints'}, whose newest kept is " \
+           f"iter_000001 (SafetensorError: Error while serializing: IoError(Os {{ code: 28, kind: StorageFull" in err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "latest"]
+    with pytest.raises(SystemExit):                        # the same again: another temporary name
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "2", "--eval-every", "0", "--resume", str(r)])
+    assert len(tries) == 2 and tries[0] != tries[1] and all(t.startswith(".tmp-iter_000002-") for t in tries), tries
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "latest"]
+
+
+def test_a_refused_start_on_a_full_disk_leaves_nothing(tmp_path):
+    """The write probe of --output-dir fails (a file size limit of 0 bytes stands in for a full disk): one line, and
+    the folder is left as it was."""
+    (tmp_path / "r").mkdir()
+    out = subprocess.run([sys.executable, str(ROOT / "flow_grpo.py"), *TOY, "--output-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                             resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot write to --output-dir {tmp_path / 'r'} (File too large): pass a writable folder" in out.stderr
+    assert os.listdir(tmp_path / "r") == []
 
 
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
