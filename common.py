@@ -1329,6 +1329,12 @@ class TrainingLoop:
         return self.metrics
 
 
+def tensors_in(nest) -> list[torch.Tensor]:
+    """Every tensor in a nest of dicts, lists and tuples (a training state; anything else is left out)."""
+    items = nest.values() if isinstance(nest, dict) else nest if isinstance(nest, (list, tuple)) else []
+    return [nest] if isinstance(nest, torch.Tensor) else [t for x in items for t in tensors_in(x)]
+
+
 def finite(tensors: list[torch.Tensor], device) -> bool:
     """True if every tensor (FSDP2: this rank's shard) on every rank is finite."""
     flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
@@ -1514,11 +1520,17 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
         if checkpoint is not None and checkpoint.resolve() != newest.resolve():
             raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
                              f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
+    with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
+        meta["run"] = read_own_json(run_dir / "args.json").get("run")
+    if checkpoint is not None and source is not None and source.resolve() == run_dir.resolve() and \
+            checkpoint_info(checkpoint).get("run") != meta.get("run"):
+        raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
+    meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    return Run(run_dir, meta, dataclasses.asdict(args), checkpoint, start)
+    return Run(run_dir, meta, {**dataclasses.asdict(args), "run": meta["run"]}, checkpoint, start)
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -1575,7 +1587,10 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     """A checkpoint folder, or a run folder's latest checkpoint."""
     p = Path(path)
     if (p / "checkpoints" / "latest").is_file():
-        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+        name = (p / "checkpoints" / "latest").read_text(errors="replace").strip()
+        if "/" in name or not name.startswith("iter_"):
+            raise not_written_here(p, f"checkpoints/latest names {name[:200]!r}, not one of its checkpoints/iter_*")
+        p = p / "checkpoints" / name
     if not (p / "checkpoint.json").is_file():
         raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
@@ -1674,16 +1689,16 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
-    if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
+    if not finite(tensors_in([params, ema and ema.shadow, optimizer and optimizer.state, extra_state]), rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
     if broadcast_object(final.is_dir()):
         return final
-    tmp, kept = broadcast_object((final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}",  # never reused
-                                  newest_checkpoint(run_dir)))
-    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest kept is "
-                         f"{kept.name if kept else 'none'}", extra_state)
+    nonce = broadcast_object(secrets.randbits(62))  # the checkpoint's identity (checkpoint.json, state/)
+    kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
+    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed, "id": nonce}, adapter, params, lora,
+                     optimizer, ema, rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest "
+                     f"kept is {kept.name if kept else 'none'}", extra_state)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1705,8 +1720,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state),
-                           folder / "state")
+            single_process(dcp.save, {**training_state(params, optimizer if stepped else None, ema, extra_state),
+                                      "id": torch.tensor(info["id"])}, folder / "state")  # the checkpoint's own
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if sharded:  # collective: rank 0 gets the whole transformer
                     weights = get_model_state_dict(adapter.transformer,
@@ -1764,11 +1779,13 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    state = training_state(params, optimizer, ema, extra_state)
+    state = {**training_state(params, optimizer, ema, extra_state), "id": torch.tensor(-1)}
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
         single_process(dcp.load, state, checkpoint / "state")
+        if int(state["id"]) != info.get("id") or not finite(tensors_in(state), params[0].device):
+            raise ValueError("another checkpoint's state/" if int(state["id"]) != info.get("id") else "not finite")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
