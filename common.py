@@ -2618,7 +2618,7 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                          f"{e.start}): save it as UTF-8") from None
     recs = []
-    for n, ln in enumerate(text.splitlines(), 1):
+    for n, ln in enumerate(text.split("\n"), 1):  # at \n alone: a JSON string may hold U+2028, U+0085, ...
         if not ln.strip():
             continue
         rec = {"prompt": ln.strip()}
