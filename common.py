@@ -2297,7 +2297,8 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
     timer.start()
     try:
-        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
+            conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
         reply = conn.getresponse()
         status, raw = reply.status, reply.read()
     except (OSError, http.client.HTTPException):
@@ -2322,7 +2323,7 @@ def serve_reward(argv=None):
     RemoteReward, so a scorer with its own environment runs there (the protocol and its answers: README, Rewards)."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
+    ap = Parser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
     ap.add_argument("--reward", required=True, choices=list(REWARDS))
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
@@ -2338,9 +2339,11 @@ def serve_reward(argv=None):
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
                 return self.reply(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
-            if (size := self.headers.get("Content-Length", "")).isdigit() and int(size) > a.max_request_mb * 2**20:
+            size = self.headers.get("Content-Length", "")
+            size = int(size) if size.isascii() and size.isdigit() and len(size) < 16 else 0  # else empty: a 400 below
+            if size > a.max_request_mb * 2**20:
                 return self.reply(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
-            raw = self.rfile.read(int(size) if size.isdigit() else 0)  # none or not a number: empty, a 400 below
+            raw = self.rfile.read(size)
             try:  # after the read, whose timeout must drop the client; anything undecodable is the client's error
                 batch = json.loads(raw)
                 x = np.stack([np.load(io.BytesIO(base64.b64decode(s, validate=True))) for s in batch["images"]])
@@ -2369,12 +2372,14 @@ def serve_reward(argv=None):
             pass
 
     with one_line_errors(ap.prog):  # a UsageError: one line, exit status 2
+        at_least(1e-3, timeout=a.timeout, max_request_mb=a.max_request_mb)
         try:
             server = ThreadingHTTPServer((a.host, a.port), Handler)  # before the scorer loads: a busy port at once
         except (OSError, OverflowError) as e:  # busy, a bad host, a port outside 0-65535
             raise UsageError(f"cannot serve at {a.host}:{a.port} ({e}): pass another --port or --host") from None
         check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
+    server.handle_error = lambda _, client: print0(f"{client[0]}: {one_line(sys.exc_info()[1])}", file=sys.stderr)
     print0(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}")
     server.serve_forever()
 
