@@ -1616,6 +1616,8 @@ def _sha256(record) -> str:
 def read_own_json(path: Path) -> dict:
     """The record own_json wrote to `path`, else a ValueError saying what failed."""
     try:
+        if path.exists() and not path.is_file():  # a FIFO would block
+            raise OSError(f"{path.name} is not a regular file")
         record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
         raise ValueError(f"does not read ({one_line(e)})") from None
@@ -1824,6 +1826,8 @@ class Logger:
 def append_line(path: Path, record: dict):
     """Appends `record` as one strict JSON line, after ending a line a kill cut short; a failed write is undone."""
     line = json.dumps(record, allow_nan=False).encode() + b"\n"
+    if path.exists() and not path.is_file():  # a FIFO or a folder in its place
+        raise write_failed(path, OSError(f"{path.name} is not a regular file"))
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         end = os.lseek(fd, 0, os.SEEK_END)
@@ -1973,13 +1977,11 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
-    with ends_process(), one_line_errors(ap.prog):
-        return _evaluate_main(ap.parse_args(argv))
+    with ends_process(), one_line_errors(ap.prog), contextlib.ExitStack() as on_exit:
+        return _evaluate_main(ap.parse_args(argv), on_exit)
 
 
-def _evaluate_main(a) -> dict:
-    for flag, (low, high) in EVAL_BOUNDS.items():
-        check_flag(flag, getattr(a, flag), low, high)
+def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if len(a.checkpoint) > 2:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
@@ -2008,6 +2010,8 @@ def _evaluate_main(a) -> dict:
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
     seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype", "bf16")
+    for flag, (low, high) in EVAL_BOUNDS.items():  # a flag, or the value the run's args.json gives it
+        check_flag(flag, pick(flag, {"images": "eval_images", "steps": "eval_steps"}.get(flag, flag)), low, high)
     check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
@@ -2015,8 +2019,11 @@ def _evaluate_main(a) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
+    new = not out_dir.exists()
     writable_folder(out_dir, "--output")
     rt = setup_runtime(seed, a.threads, dtype)
+    if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
+        on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
@@ -2070,12 +2077,12 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
     path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
-    try:
+    try:  # an edited transformer/config.json: another architecture, whose weights do not fit
         weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
+        lora or adapter.transformer.load_state_dict(weights)
     except Exception as e:  # noqa: BLE001 - safetensors, diffusers and torch raise many kinds for a damaged file
         raise not_written_here(checkpoint, f"{path.name} does not load ({one_line(e)})") from None
     if not lora:
-        adapter.transformer.load_state_dict(weights)
         return
     from peft import set_peft_model_state_dict
     add_lora(adapter.transformer, info["lora_rank"], info["lora_alpha"], adapter.lora_targets)

@@ -556,6 +556,21 @@ def test_non_finite_extra_state_is_never_saved(tmp_path):
     assert not (tmp_path / "a" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(kind, run_at_3, tmp_path, capsys):
+    r = tmp_path / "r"
+    shutil.copytree(run_at_3, r)
+    (r / "metrics.jsonl").unlink()
+    os.mkfifo(r / "metrics.jsonl") if kind == "a FIFO" else (r / "metrics.jsonl").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--iterations", "5",
+                                                                                  "--resume", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err, err
+    assert f": could not write {r / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
+
+
 def test_checkpoints_are_written_with_the_process_umask(tmp_path):
     """Readable by the group and others as any other file the run writes (safetensors makes its files 0600)."""
     for umask, folders, files, lora in [(0o022, 0o755, 0o644, []), (0o027, 0o750, 0o640, ["--lora-rank", "4"])]:
