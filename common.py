@@ -839,11 +839,10 @@ def make_generator(*keys: int) -> torch.Generator:
 
 
 def print0(*args, **kwargs):
-    """print on rank 0, flushed; once the reader of its file has gone (a closed pipe) printing stops, not the run."""
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             print(*args, **kwargs, flush=True)
-        except BrokenPipeError:  # the file is /dev/null from now on
+        except BrokenPipeError:  # its reader has gone (a closed pipe): the printing stops, not the run
             os.dup2(os.open(os.devnull, os.O_WRONLY), kwargs.get("file", sys.stdout).fileno())
 
 
@@ -1074,15 +1073,10 @@ def stop_together(what: str):
         raise TrainingStopped(f"{what} {error}", save_state=True)
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(2 n,) float64: each tensor's sum and sum of squares (of an FSDP2 DTensor: this rank's shard)."""
-    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
-    return torch.stack([v for t in local for v in (t.double().sum(), t.double().square().sum())])
-
-
 def rank_param_diff(params: list[torch.Tensor]) -> float:
-    """Largest difference across ranks of per-tensor sums and sums of squares (0.0: replicas identical)."""
-    fp = fingerprint(params)
+    """Largest difference across ranks of per-tensor float64 sums and sums of squares (0.0: replicas identical)."""
+    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in params]
+    fp = torch.stack([v for t in local for v in (t.double().sum(), t.double().square().sum())])
     on_cpu = not dist.is_initialized() or dist.get_backend() == "gloo"
     allfp = all_gather_cat(fp.cpu() if on_cpu else fp).view(-1, len(fp))
     return (allfp.max(0).values - allfp.min(0).values).max().item()
@@ -1329,15 +1323,10 @@ class TrainingLoop:
         return self.metrics
 
 
-def tensors_in(nest) -> list[torch.Tensor]:
-    """Every tensor in a nest of dicts, lists and tuples (a training state; anything else is left out)."""
-    items = nest.values() if isinstance(nest, dict) else nest if isinstance(nest, (list, tuple)) else []
-    return [nest] if isinstance(nest, torch.Tensor) else [t for x in items for t in tensors_in(x)]
-
-
-def finite(tensors: list[torch.Tensor], device) -> bool:
-    """True if every tensor (FSDP2: this rank's shard) on every rank is finite."""
-    flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
+def finite(tensors, device) -> bool:
+    """True if every tensor of `tensors` (nested lists and dicts; FSDP2: its local shard) is finite on every rank."""
+    flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all()
+             for x in torch.utils._pytree.tree_leaves(tensors) if isinstance(x, torch.Tensor)]
     ok = bool(torch.stack(flags).all()) if flags else True  # one device sync for all the tensors
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
@@ -1509,6 +1498,8 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
                 break
     writable_folder(run_dir, "--output-dir")
     lock = _hold_folder(run_dir)
+    with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
+        meta["run"] = read_own_json(run_dir / "args.json").get("run")
     if holds_run(run_dir):
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
@@ -1520,11 +1511,8 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
         if checkpoint is not None and checkpoint.resolve() != newest.resolve():
             raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
                              f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
-    with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
-        meta["run"] = read_own_json(run_dir / "args.json").get("run")
-    if checkpoint is not None and source is not None and source.resolve() == run_dir.resolve() and \
-            checkpoint_info(checkpoint).get("run") != meta.get("run"):
-        raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
+        if checkpoint is not None and checkpoint_info(checkpoint).get("run") != meta.get("run"):  # in place
+            raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
     meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
@@ -1691,7 +1679,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
-    if not finite(tensors_in([params, ema and ema.shadow, optimizer and optimizer.state, extra_state]), rt.device):
+    if not finite([params, ema and ema.shadow, optimizer and optimizer.state, extra_state], rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
     if broadcast_object(final.is_dir()):
@@ -1786,7 +1774,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
         single_process(dcp.load, state, checkpoint / "state")
-        if int(state["id"]) != info.get("id") or not finite(tensors_in(state), params[0].device):
+        if int(state["id"]) != info.get("id") or not finite(state, params[0].device):
             raise ValueError("another checkpoint's state/" if int(state["id"]) != info.get("id") else "not finite")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
@@ -2346,11 +2334,10 @@ def serve_reward(argv=None):
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
                 return self.reply(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
-            size = self.headers.get("Content-Length", "")
-            size = int(size) if size.isascii() and size.isdigit() and len(size) < 16 else 0  # else empty: a 400 below
+            size = (n := self.headers.get("Content-Length", "")).isascii() and n.isdigit() and len(n) < 16 and int(n)
             if size > a.max_request_mb * 2**20:
                 return self.reply(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
-            raw = self.rfile.read(size)
+            raw = self.rfile.read(size)  # none or not a decimal number (size False): empty, a 400 below
             try:  # after the read, whose timeout must drop the client; anything undecodable is the client's error
                 batch = json.loads(raw)
                 x = np.stack([np.load(io.BytesIO(base64.b64decode(s, validate=True))) for s in batch["images"]])
@@ -2889,7 +2876,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
             module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
                 cls.config_class(**configs[name]))
             dtype_kept = {"transformer": weight_dtype(dtype), "vae": torch.float32}.get(name, dtype)
-            parts[name] = _cast(module, dtype_kept).eval()
+            parts[name] = (module if dtype_kept == torch.float32 else module.to(dtype=dtype_kept)).eval()  # no no-op
     return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
 
 
@@ -2906,10 +2893,6 @@ def random_depth(model_path: str | None) -> int | None:
 def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
     """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
     return build_pipeline(family, architecture(family, random_depth(model_path)), device=device, dtype=dtype)
-
-
-def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    return module if dtype == torch.float32 else module.to(dtype=dtype)  # diffusers warns on no-op casts
 if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
     if not (sys.argv[1:2] and sys.argv[1] in commands):
