@@ -1327,7 +1327,7 @@ def finite(tensors, device) -> bool:
     """True if every tensor of `tensors` (nested lists and dicts; FSDP2: its local shard) is finite on every rank."""
     flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all()
              for x in torch.utils._pytree.tree_leaves(tensors) if isinstance(x, torch.Tensor)]
-    ok = bool(torch.stack(flags).all()) if flags else True  # one device sync for all the tensors
+    ok = bool(torch.stack([f.to(device) for f in flags]).all()) if flags else True  # one sync (AdamW's step: CPU)
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
