@@ -842,7 +842,10 @@ def make_generator(*keys: int) -> torch.Generator:
 
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
+        try:
+            print(*args, **kwargs, flush=True)
+        except BrokenPipeError:  # its reader has gone (a closed pipe): the printing stops, not the run
+            os.dup2(os.open(os.devnull, os.O_WRONLY), kwargs.get("file", sys.stdout).fileno())
 
 
 @contextlib.contextmanager
@@ -1321,10 +1324,11 @@ class TrainingLoop:
         return self.metrics
 
 
-def finite(tensors: list[torch.Tensor], device) -> bool:
-    """True if every tensor (FSDP2: this rank's shard) on every rank is finite."""
-    flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all() for x in tensors]
-    ok = bool(torch.stack(flags).all()) if flags else True  # one device sync for all the tensors
+def finite(tensors, device) -> bool:
+    """True if every tensor of `tensors` (nested lists and dicts; FSDP2: its local shard) is finite on every rank."""
+    flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all()
+             for x in torch.utils._pytree.tree_leaves(tensors) if isinstance(x, torch.Tensor)]
+    ok = bool(torch.stack([f.to(device) for f in flags]).all()) if flags else True  # one sync (AdamW's step: CPU)
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
@@ -1496,6 +1500,8 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
                 break
     writable_folder(run_dir, "--output-dir")
     lock = _hold_folder(run_dir)
+    with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
+        meta["run"] = read_own_json(run_dir / "args.json").get("run")
     if holds_run(run_dir):
         newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
@@ -1507,11 +1513,14 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
         if checkpoint is not None and checkpoint.resolve() != newest.resolve():
             raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
                              f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
+        if checkpoint is not None and checkpoint_info(checkpoint).get("run") != meta.get("run"):  # in place
+            raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
+    meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
-    return Run(run_dir, meta, dataclasses.asdict(args), checkpoint, start)
+    return Run(run_dir, meta, {**dataclasses.asdict(args), "run": meta["run"]}, checkpoint, start)
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -1523,11 +1532,11 @@ def holds_run(run_dir: Path) -> bool:
 
 def writable_folder(folder: Path, flag: str):
     """Makes `folder` if need be and probes that a file can be written there; a UsageError names `flag`."""
+    import tempfile
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=folder, buffering=0) as probe:  # never left behind, even if the write fails
+            probe.write(b"ok")
     except OSError as e:
         raise UsageError(f"cannot write to {flag} {folder} ({e.strerror or e}): pass a writable folder") from None
 
@@ -1569,7 +1578,10 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
     """A checkpoint folder, or a run folder's latest checkpoint."""
     p = Path(path)
     if (p / "checkpoints" / "latest").is_file():
-        p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+        name = (p / "checkpoints" / "latest").read_text(errors="replace").strip()
+        if "/" in name or not name.startswith("iter_"):
+            raise not_written_here(p, f"checkpoints/latest names {name[:200]!r}, not one of its checkpoints/iter_*")
+        p = p / "checkpoints" / name
     if not (p / "checkpoint.json").is_file():
         raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
@@ -1595,6 +1607,8 @@ def _sha256(record) -> str:
 def read_own_json(path: Path) -> dict:
     """The record own_json wrote to `path`, else a ValueError saying what failed."""
     try:
+        if path.exists() and not path.is_file():  # a FIFO would block
+            raise OSError(f"{path.name} is not a regular file")
         record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
         raise ValueError(f"does not read ({one_line(e)})") from None
@@ -1670,14 +1684,16 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
     `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
-    if not finite(list(params) + (ema.shadow if ema is not None else []), rt.device):
+    if not finite([params, ema and ema.shadow, optimizer and optimizer.state, extra_state], rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
     if broadcast_object(final.is_dir()):
         return final
-    tmp = broadcast_object(final.parent / f".tmp-{final.name}-{os.getpid()}")
-    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora, optimizer, ema,
-                     rt, f"the checkpoint of iteration {iteration} to {final.parent}", extra_state, scaler)
+    nonce = broadcast_object(secrets.randbits(62))  # the checkpoint's identity (checkpoint.json, state/)
+    kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
+    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed, "id": nonce}, adapter, params, lora,
+                     optimizer, ema, rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest "
+                     f"kept is {kept.name if kept else 'none'}", extra_state, scaler)
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
@@ -1699,8 +1715,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
         error = one_line(e)
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
-            single_process(dcp.save, training_state(params, optimizer if stepped else None, ema, extra_state,
-                                                    scaler), folder / "state")
+            state = training_state(params, optimizer if stepped else None, ema, extra_state, scaler)
+            single_process(dcp.save, {**state, "id": torch.tensor(info["id"])}, folder / "state")  # its identity
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if rt.is_main and lora:
                     from peft.utils import get_peft_model_state_dict
@@ -1716,7 +1732,7 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
                         "loss_scale": scaler is not None}
                 (folder / "checkpoint.json").write_text(own_json(info))
-        except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
     if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
         if rt.is_main:
@@ -1762,11 +1778,13 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
     scaler = scaler if info.get("loss_scale") else None           # none saved (another --dtype): it starts fresh
-    state = training_state(params, optimizer, ema, extra_state, scaler)
+    state = {**training_state(params, optimizer, ema, extra_state, scaler), "id": torch.tensor(-1)}
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
         single_process(dcp.load, state, checkpoint / "state")
+        if int(state["id"]) != info.get("id") or not finite(state, params[0].device):
+            raise ValueError("another checkpoint's state/" if int(state["id"]) != info.get("id") else "not finite")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
@@ -1795,8 +1813,9 @@ class Logger:
         append_line(self.path, metrics)
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
         from tqdm import tqdm
-        tqdm.write(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
-                                                                if isinstance(metrics.get(k), (int, float))))
+        with tqdm.external_write_mode():  # above the progress bar
+            print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
+                                                              if isinstance(metrics.get(k), (int, float))))
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["iteration"])
 
@@ -1804,6 +1823,8 @@ class Logger:
 def append_line(path: Path, record: dict):
     """Appends `record` as one strict JSON line, after ending a line a kill cut short; a failed write is undone."""
     line = json.dumps(record, allow_nan=False).encode() + b"\n"
+    if path.exists() and not path.is_file():  # a FIFO or a folder in its place
+        raise write_failed(path, OSError(f"{path.name} is not a regular file"))
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         end = os.lseek(fd, 0, os.SEEK_END)
@@ -1953,13 +1974,11 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
-    with ends_process(), one_line_errors(ap.prog):
-        return _evaluate_main(ap.parse_args(argv))
+    with ends_process(), one_line_errors(ap.prog), contextlib.ExitStack() as on_exit:
+        return _evaluate_main(ap.parse_args(argv), on_exit)
 
 
-def _evaluate_main(a) -> dict:
-    for flag, (low, high) in EVAL_BOUNDS.items():
-        check_flag(flag, getattr(a, flag), low, high)
+def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if len(a.checkpoint) > 2:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
@@ -1988,6 +2007,8 @@ def _evaluate_main(a) -> dict:
     reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
     steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
     seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype")
+    for flag, (low, high) in EVAL_BOUNDS.items():  # a flag, or the value the run's args.json gives it
+        check_flag(flag, pick(flag, {"images": "eval_images", "steps": "eval_steps"}.get(flag, flag)), low, high)
     check_model(model, pick("model_path", "model_path"), reward_spec)
     train, held_out = load_prompts(pick("prompts", "prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
@@ -1995,8 +2016,11 @@ def _evaluate_main(a) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
+    new = not out_dir.exists()
     writable_folder(out_dir, "--output")
     rt = setup_runtime(seed, a.threads, dtype, model)
+    if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
+        on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
@@ -2013,13 +2037,13 @@ def _evaluate_main(a) -> dict:
         del adapter
     if rt.is_main:
         names = ["reward"] + [short_reward_name(n) for n in reward_fn.weights]
-        print(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
-              f"reward {reward_spec}")
+        print0(f"{model}, {images} images of {len(records)} prompts, {steps} ODE steps, seed {seed}, "
+               f"reward {reward_spec}")
         for label, m in results.items():
             for name in names:
-                print(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
+                print0(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
             if "eval_accuracy" in m:
-                print(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
+                print0(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
         summary = {"model": model, "checkpoints": {label: str(ckpt.resolve()) if ckpt else None
                                                    for label, ckpt, _, _ in entries},
                    "reward": reward_spec, "prompts": pick("prompts", "prompts"),
@@ -2028,7 +2052,7 @@ def _evaluate_main(a) -> dict:
         write_atomic(out_dir / "results.json", json.dumps(summary, indent=2))
         merged = [(prompt, torch.cat([r[i][1] for r in rows])) for i, (prompt, _) in enumerate(rows[0])]
         save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
-        print(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
+        print0(f"wrote {out_dir / 'results.json'} and {out_dir / 'grid.png'}")
     return results
 
 
@@ -2050,12 +2074,12 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
     path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
-    try:
+    try:  # an edited transformer/config.json: another architecture, whose weights do not fit
         weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
+        lora or adapter.transformer.load_state_dict(weights)
     except Exception as e:  # noqa: BLE001 - safetensors, diffusers and torch raise many kinds for a damaged file
         raise not_written_here(checkpoint, f"{path.name} does not load ({one_line(e)})") from None
     if not lora:
-        adapter.transformer.load_state_dict(weights)
         return
     from peft import set_peft_model_state_dict
     add_lora(adapter.transformer, info["lora_rank"], info["lora_alpha"], adapter.lora_targets)
@@ -2277,7 +2301,8 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
     timer.start()
     try:
-        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
+            conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
         reply = conn.getresponse()
         status, raw = reply.status, reply.read()
     except (OSError, http.client.HTTPException):
@@ -2302,7 +2327,7 @@ def serve_reward(argv=None):
     RemoteReward, so a scorer with its own environment runs there (the protocol and its answers: README, Rewards)."""
     import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    ap = argparse.ArgumentParser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
+    ap = Parser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
     ap.add_argument("--reward", required=True, choices=list(REWARDS))
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
@@ -2318,9 +2343,10 @@ def serve_reward(argv=None):
         def do_POST(self):
             if self.path.rstrip("/").rsplit("/", 1)[-1] != a.reward:
                 return self.reply(404, {"error": f"this server scores {a.reward!r}: POST to /{a.reward}"})
-            if (size := self.headers.get("Content-Length", "")).isdigit() and int(size) > a.max_request_mb * 2**20:
+            size = (n := self.headers.get("Content-Length", "")).isascii() and n.isdigit() and len(n) < 16 and int(n)
+            if size > a.max_request_mb * 2**20:
                 return self.reply(413, {"error": f"{size} bytes is more than --max-request-mb {a.max_request_mb:g}"})
-            raw = self.rfile.read(int(size) if size.isdigit() else 0)  # none or not a number: empty, a 400 below
+            raw = self.rfile.read(size)  # none or not a decimal number (size False): empty, a 400 below
             try:  # after the read, whose timeout must drop the client; anything undecodable is the client's error
                 batch = json.loads(raw)
                 x = np.stack([np.load(io.BytesIO(base64.b64decode(s, validate=True))) for s in batch["images"]])
@@ -2349,13 +2375,16 @@ def serve_reward(argv=None):
             pass
 
     with one_line_errors(ap.prog):  # a UsageError: one line, exit status 2
+        for flag in ("timeout", "max_request_mb"):
+            check_flag(flag, getattr(a, flag), at_least=1e-3)
         try:
             server = ThreadingHTTPServer((a.host, a.port), Handler)  # before the scorer loads: a busy port at once
         except (OSError, OverflowError) as e:  # busy, a bad host, a port outside 0-65535
             raise UsageError(f"cannot serve at {a.host}:{a.port} ({e}): pass another --port or --host") from None
         check_scorer_files([a.reward])
         scorer = REWARDS[a.reward](device=a.device)
-    print(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}", flush=True)
+    server.handle_error = lambda _, client: print0(f"{client[0]}: {one_line(sys.exc_info()[1])}", file=sys.stderr)
+    print0(f"serving {a.reward} at http://{a.host}:{server.server_address[1]}/{a.reward}")
     server.serve_forever()
 
 
@@ -2598,7 +2627,7 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     except (OSError, EOFError) as e:  # a .gz cut short or not gzip
         raise UsageError(f"prompt file {path!r} does not read as gzip ({one_line(e)}): write it again") from None
     recs = []
-    for n, ln in enumerate(text.splitlines(), 1):
+    for n, ln in enumerate(text.split("\n"), 1):  # at \n alone: a JSON string may hold U+2028, U+0085, ...
         if not ln.strip():
             continue
         rec = {"prompt": ln.strip()}
@@ -2937,11 +2966,13 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module
 if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
-    if sys.argv[1:2] and sys.argv[1] in commands:
-        commands[sys.argv[1]](sys.argv[2:])
-    elif sys.argv[1:2] == ["fetch-prompts"]:  # fetch-prompts NAME ...: prompt sets into the hub cache, for offline runs
+    if not (sys.argv[1:2] and sys.argv[1] in commands or sys.argv[1:2] == ["fetch-prompts"]):
+        report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
+    for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
+        signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
+    if sys.argv[1] == "fetch-prompts":  # fetch-prompts NAME ...: prompt sets into the hub cache, for offline runs
         with one_line_errors("common.py fetch-prompts"):
             for name in sys.argv[2:]:
                 print(name, "prompts (train, held out):", *map(len, load_prompts(name, "sd3")))
     else:
-        print("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]")
+        commands[sys.argv[1]](sys.argv[2:])

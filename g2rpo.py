@@ -279,8 +279,6 @@ def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
-    if args.preflight:                                       # one iteration of this main, checked (README)
-        return common.preflight(main, args)
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
     W = rt.world_size
     # <<< shared: validate
@@ -299,6 +297,8 @@ def main(args: Args) -> dict:
     # >>> shared: setup-run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
+    if args.preflight:                                       # every check above passed: one iteration, checked (README)
+        return common.preflight(main, args)
     run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model

@@ -45,14 +45,14 @@ def flow_matching_error(v: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def main(args: Args) -> dict:
-    if args.preflight:                                       # the run's checks (README, Before a long run)
-        return common.preflight(main, args)
     rt = common.setup_training(args)
     B, G = args.prompts_per_step // rt.world_size, args.group_size
     N, mb, T = B * G, args.micro_batch, args.sample_steps
     per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)
+    if args.preflight:                                       # the run's checks passed (README, Before a long run)
+        return common.preflight(main, args)
     run = common.prepare_run(args, rt, Path(__file__).stem)
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path)

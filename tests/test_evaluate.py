@@ -5,14 +5,17 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
 import common
 import flow_grpo
-from helpers import SMALL, TRAINERS, read_metrics, run, small, tiny_argv, tiny_pipeline, torchrun
+from helpers import ROOT, SMALL, TRAINERS, read_metrics, run, small, tiny_argv, tiny_pipeline, torchrun
 
 # the toy reward is a multiple of 1/(2n): a continuous second reward tells base and trained weights apart
 TOY = ["--reward", "toy,jpeg:0.01", "--iterations", "2", "--lr", "3e-3", *small(without=("eval_images", "eval_every")),
@@ -240,3 +243,70 @@ def test_a_base_model_without_a_run_takes_the_models_defaults(family, tmp_path, 
     assert math.isfinite(results["base"]["eval_jpeg"])
     assert (adapter.resolution, adapter.guidance_scale, adapter.max_sequence_length) == \
         {"flux": (512, 3.5, 512), "sd3": (512, 4.5, 128)}[family]
+
+
+def signed(run_dir, file: str, **changes) -> bytes:
+    """edited(), then signed again as this code signs it: a file this code could have written."""
+    record = {k: v for k, v in json.loads(edited(run_dir, file, **changes)).items() if k != "sha256"}
+    return common.own_json(record).encode()
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"eval_images": 0}, "error: --images 0 must be at least 1"),
+    ({"eval_steps": 0}, "error: --steps 0 must be at least 1"),
+    ({"eval_steps": 10**6}, "error: --steps 1000000 must be at least 1 and at most 1000"),
+    ({"resolution": "big"}, "error: --resolution big must be at least 16 and at most 4096 (it is not a number)"),
+])
+def test_the_values_of_a_runs_args_json_pass_the_flags_checks(changes, message, toy_run, tmp_path, capsys,
+                                                              monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(toy_run, run_dir)
+    (run_dir / "args.json").write_bytes(signed(run_dir, "args.json", **changes))
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        common.evaluate_main(["--checkpoint", str(run_dir), "--output", str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_refusal_once_the_model_has_loaded_is_one_line_and_leaves_no_output_folder(toy_run, tmp_path, capsys):
+    """transformer/config.json (no sha256 covers it) edited to another architecture: the weights do not fit."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(toy_run, run_dir)
+    config = next((run_dir / "checkpoints").glob("iter_*")) / "transformer" / "config.json"
+    values = json.loads(config.read_text())
+    key = next(k for k in ("num_layers", "num_single_layers", "joint_attention_dim") if k in values)
+    config.write_text(json.dumps({**values, key: values[key] + 1}))
+    with pytest.raises(SystemExit) as e:
+        common.evaluate_main(["--checkpoint", str(run_dir), "--output", str(tmp_path / "eval"), "--images", "2",
+                              "--steps", "1", "--threads", "1"])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert e.value.code == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert "is not a checkpoint this code wrote: transformer does not load (" in errors[0], err
+    assert not (tmp_path / "eval").exists()
+
+
+def fifo_folder_or_not_utf8(path, kind: str):
+    path.unlink()
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "a folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe{iter")
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder", "not UTF-8"])
+@pytest.mark.parametrize("file", ["args.json", "checkpoints/iter_000002/checkpoint.json", "checkpoints/latest"])
+def test_a_file_that_is_a_fifo_a_folder_or_not_utf8_is_one_line_never_a_hang(file, kind, toy_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(toy_run, run_dir)
+    fifo_folder_or_not_utf8(run_dir / file, kind)
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "evaluate", "--checkpoint", str(run_dir),
+                          "--output", str(tmp_path / "eval")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("common.py evaluate: error: "), out.stderr
+    assert not (tmp_path / "eval").exists()

@@ -180,3 +180,24 @@ def test_a_preflight_passes_under_torchrun(tmp_path):
     report = json.loads((out / "preflight.json").read_text())
     assert not failed(report) and rows(report)["ranks x device"]["value"].startswith("2 x CPU, threads 1")
     assert sorted(os.listdir(out)) == [".lock", "preflight.json"]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_flag_the_method_refuses_leaves_nothing_with_or_without_preflight(trainer, tmp_path, capsys, monkeypatch):
+    """The method's own checks (a --prompts file, --micro-batch, --sde-window, ...) run before --preflight
+    claims a run folder, as before a run does: one line, and neither --output-dir nor a default runs/ folder."""
+    import importlib
+    module = importlib.import_module(trainer)
+    monkeypatch.chdir(tmp_path)
+    bad = [["--prompts", str(tmp_path / "missing.txt")]] + {
+        "flow_grpo": [["--sde-window", "99"], ["--micro-batch", "3"]], "pro_grpo": [["--funnel", "8,9"]],
+        "v_grpo": [["--micro-batch", "3"]], "g2rpo": [["--granularities", "0"]]}.get(trainer, [["--micro-batch", "3"]])
+    for flags_ in bad:
+        for out in (["--output-dir", str(tmp_path / "new")], []):
+            for preflight_ in (["--preflight"], []):
+                with pytest.raises(SystemExit) as stop:
+                    common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS,
+                                   ["--model", "toy", *SMALL, *flags_, *out, *preflight_])
+                err = capsys.readouterr().err
+                assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, (flags_, out, preflight_, err)
+                assert os.listdir(tmp_path) == [], (flags_, out, preflight_, os.listdir(tmp_path))

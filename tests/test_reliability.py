@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import shutil
 import socket
@@ -15,8 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import common
@@ -245,6 +248,48 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monke
     assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
 
 
+def test_a_full_disk_at_the_published_weights_is_one_line_and_a_retry_takes_a_new_name(tmp_path, capsys, monkeypatch):
+    """state/ fits, then the transformer's safetensors file fills the disk (safetensors' own error): one line naming
+    the disk error and the newest checkpoint kept, nothing half written left; each try writes under a new name."""
+    from safetensors import SafetensorError
+    r = tmp_path / "r"
+    run(flow_grpo, [*TOY, "--iterations", "1", "--eval-every", "0", "--output-dir", str(r)])
+    tries = []
+
+    def disk_full(tensors, filename, *a, **k):
+        tries.append(Path(filename).parent.parent.name)
+        Path(filename).write_bytes(b"\0" * 100)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "2", "--eval-every", "0", "--resume", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err and "FileExistsError" not in err, err
+    assert f"could not write the checkpoint of iteration 2 to {r / 'checkpoints'}, whose newest kept is " \
+           f"iter_000001 (SafetensorError: Error while serializing: IoError(Os {{ code: 28, kind: StorageFull" in err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "latest"]
+    with pytest.raises(SystemExit):                        # the same again: another temporary name
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       [*TOY, "--iterations", "2", "--eval-every", "0", "--resume", str(r)])
+    assert len(tries) == 2 and tries[0] != tries[1] and all(t.startswith(".tmp-iter_000002-") for t in tries), tries
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "latest"]
+
+
+def test_a_refused_start_on_a_full_disk_leaves_nothing(tmp_path):
+    """The write probe of --output-dir fails (a file size limit of 0 bytes stands in for a full disk): one line, and
+    the folder is left as it was."""
+    (tmp_path / "r").mkdir()
+    out = subprocess.run([sys.executable, str(ROOT / "flow_grpo.py"), *TOY, "--output-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                             resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot write to --output-dir {tmp_path / 'r'} (File too large): pass a writable folder" in out.stderr
+    assert os.listdir(tmp_path / "r") == []
+
+
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rt = common.setup_runtime(0, 1)
@@ -362,11 +407,12 @@ def run_at_3(tmp_path_factory):
 
 
 def rewrite_state(keep):
-    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state)."""
+    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state) and the
+    checkpoint's identity (checkpoint.json's "id")."""
     def damage(checkpoint):
         import torch.distributed.checkpoint as dcp
         from helpers import training_state
-        state = keep(training_state(checkpoint))
+        state = {"id": training_state(checkpoint)["id"], **keep(training_state(checkpoint))}
         shutil.rmtree(checkpoint / "state")
         common.single_process(dcp.save, state, checkpoint / "state")
     return damage
@@ -394,6 +440,10 @@ DAMAGES = {
         **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
         STATE + "ValueError: Size mismatch"),
     "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), STATE),
+    "a NaN in state/ (bytes flipped)": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"][
+        "0"].index_fill(0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite)"),
+    "another identity in state/": (rewrite_state(lambda s: {**s, "id": s["id"] + 1}),
+                                   STATE + "ValueError: another checkpoint's state/)"),
     "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE),
     "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE),
     "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), STATE),
@@ -424,6 +474,101 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(damag
         assert err.endswith("; pass another checkpoint, or resume from an earlier one in a new --output-dir\n"), err
     assert message in err and snapshot(r) == before and sorted(os.listdir(r / "checkpoints")) == ["iter_000003",
                                                                                                 "latest"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two runs of the same model and flags, a checkpoint at each of iterations 1-3."""
+    folder = tmp_path_factory.mktemp("two")
+    for name in ("a", "b"):
+        run(flow_grpo, [*TOY, "--iterations", "3", "--save-every", "1", "--eval-every", "0", "--output-dir",
+                        str(folder / name)])
+    return folder
+
+
+def another_runs_state(r, other):
+    shutil.rmtree(r / "checkpoints" / "iter_000003" / "state")
+    shutil.copytree(other / "checkpoints" / "iter_000003" / "state", r / "checkpoints" / "iter_000003" / "state")
+
+
+def an_earlier_state(r, other):
+    shutil.rmtree(r / "checkpoints" / "iter_000003" / "state")
+    (r / "checkpoints" / "iter_000003" / "state").symlink_to(r / "checkpoints" / "iter_000002" / "state")
+
+
+def a_copied_checkpoint(r, other):
+    shutil.copytree(other / "checkpoints" / "iter_000003", r / "checkpoints" / "iter_000004")
+    (r / "checkpoints" / "latest").write_text("iter_000004")
+
+
+def latest_outside(r, other):
+    (r / "checkpoints" / "latest").write_text(f"../../{other.name}/checkpoints/iter_000002")
+
+
+LIES = {"another run's state/": (another_runs_state, "iter_000003", STATE + "ValueError: another checkpoint's state/)"),
+        "a link to an earlier state/": (an_earlier_state, "iter_000003", STATE + "ValueError: another checkpoint's "
+                                                                                  "state/)"),
+        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000004", "its run identity is not that "
+                                                                                      "of {r}/args.json"),
+        "latest outside the run": (latest_outside, "", "checkpoints/latest names '../../b/checkpoints/iter_000002', "
+                                                       "not one of its checkpoints/iter_*")}
+
+
+@pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")
+                                        if (lie, resume) != ("latest outside the run", "auto")])  # auto: no `latest`
+def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, resume, two_runs, tmp_path, capsys):
+    """What checkpoint.json points at is checked too: state/ holds the checkpoint's identity, the run folder's
+    args.json the run's, and `latest` names one of the run's own checkpoints; neither folder is written."""
+    r, other = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(two_runs / "a", r)
+    shutil.copytree(two_runs / "b", other)
+    harm, name, message = LIES[lie]
+    harm(r, other)
+    before, before_other = snapshot(r), snapshot(other)
+    flags = ["--resume", "auto", "--output-dir", str(r)] if resume == "auto" else ["--resume", str(r)]
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+    assert f"error: {r / 'checkpoints' / name if name else r} is not a checkpoint this code wrote: " \
+           f"{message.format(r=r)}" in err, err
+    assert snapshot(r) == before and snapshot(other) == before_other
+
+
+def test_a_run_folder_moved_or_copied_whole_resumes(two_runs, tmp_path):
+    moved, copied = tmp_path / "moved", tmp_path / "copied"
+    shutil.copytree(two_runs / "a", moved)
+    shutil.copytree(two_runs / "a", copied)
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", "auto", "--output-dir", str(moved)])
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(copied)])
+    for r in (moved, copied):
+        assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
+        assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3, 4]
+
+
+def test_non_finite_extra_state_is_never_saved(tmp_path):
+    """The guard that keeps non-finite weights out of a checkpoint covers all it holds: a method's extra_state too."""
+    rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
+                                            "ema": False}
+    adapter = common.load_model("toy", rt)
+    params = common.add_lora(adapter.transformer, 0, 0.0, [])
+    for extra in ({"old": torch.tensor([1.0, math.nan])}, {"pair": [torch.zeros(2), torch.tensor([math.inf])]}):
+        with pytest.raises(common.TrainingStopped, match="after iteration 1 are not finite and were not saved"):
+            common.save_checkpoint(tmp_path / "a", 1, adapter, params, False, torch.optim.AdamW(params), None, 2.5,
+                                   meta, rt, extra)
+    assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(kind, run_at_3, tmp_path, capsys):
+    r = tmp_path / "r"
+    shutil.copytree(run_at_3, r)
+    (r / "metrics.jsonl").unlink()
+    os.mkfifo(r / "metrics.jsonl") if kind == "a FIFO" else (r / "metrics.jsonl").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--iterations", "5",
+                                                                                  "--resume", str(r)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in err, err
+    assert f": could not write {r / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
 
 
 def test_checkpoints_are_written_with_the_process_umask(tmp_path):

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -233,7 +234,68 @@ def test_the_server_answers_400_to_a_bad_request_413_to_a_huge_one_and_drops_sta
     assert "Traceback" not in out and out.count("Request timed out") == 2, out
 
 
+def start_server(log_path, *flags) -> tuple[subprocess.Popen, str]:
+    """`python common.py serve-reward --reward jpeg --port 0 FLAGS`, its output in log_path; (process, URL)."""
+    cmd = [sys.executable, str(ROOT / "common.py"), "serve-reward", "--reward", "jpeg", "--port", "0", *flags]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 120
+    while "serving" not in Path(log_path).read_text():
+        assert proc.poll() is None and time.time() < deadline, Path(log_path).read_text()
+        time.sleep(0.1)
+    return proc, Path(log_path).read_text().split()[-1]
+
+
+def test_a_request_over_max_request_mb_stops_the_client_at_once_with_the_413(tmp_path, monkeypatch):
+    """The server answers 413 before it reads the body (RemoteReward's request is far larger than the socket
+    buffers, so the client's send fails first): the client reads the answer and stops at once with its reason."""
+    proc, url = start_server(tmp_path / "server.log", "--max-request-mb", "1")
+    tries, post_once = [], common._post
+    monkeypatch.setattr(common, "_post", lambda *a: tries.append(1) or post_once(*a))
+    try:
+        for _ in range(3):
+            tries.clear()
+            with pytest.raises(common.TrainingStopped) as stop:
+                common.RemoteReward(url, retries=3, backoff=0.01)(torch.rand(8, 3, 512, 512), ["p"] * 8)
+            assert re.fullmatch(rf"reward server {url} answered HTTP 413: {{\"error\": \"\d+ bytes is more than "
+                                rf"--max-request-mb 1\"}}", str(stop.value)), str(stop.value)
+            assert len(tries) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_malformed_content_length_is_a_400_and_a_client_that_resets_is_one_log_line(tmp_path):
+    proc, url = start_server(tmp_path / "server.log", "--timeout", "5")
+    port = int(url.split(":")[2].split("/")[0])
+    try:
+        for length in ["\u00b2", "1\u0661", "9" * 5000, "-1", "0x10"]:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+                client.sendall(f"POST /jpeg HTTP/1.0\r\nContent-Length: {length}\r\n\r\n{{}}".encode())
+                assert client.makefile("rb").read().startswith(b"HTTP/1.0 400 "), length
+        for head in [b"POST /jpeg HTTP/1.0\r\nContent-Le", b"POST /jpeg HTTP/1.0\r\nContent-Length: 100\r\n\r\nab"]:
+            client = socket.create_connection(("127.0.0.1", port), timeout=10)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
+            client.sendall(head)
+            time.sleep(0.5)
+            client.close()
+        time.sleep(1)
+        status, answer = post(url, json.dumps({"images": [npy(np.zeros((8, 8, 3), np.uint8))],
+                                               "prompts": ["p"]}).encode())
+        assert status == 200 and len(answer["scores"]) == 1                        # still serving
+    finally:
+        proc.kill()
+        proc.wait()
+    out = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in out and out.count("ConnectionResetError") == 2, out
+    assert len(out.splitlines()) == 3, out                                          # serving, then a line each
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--timeout", "-1"], "error: --timeout -1.0 must be at least 0.001"),
+    (["--max-request-mb", "nan"], "error: --max-request-mb nan must be at least 0.001 (it is not a number)"),
+    (["--max-request-mb", "-1"], "error: --max-request-mb -1.0 must be at least 0.001"),
+    (["--reward", "bogus"], "error: argument --reward: invalid choice: 'bogus'"),
     (["--host", "no-such-host.invalid"], "cannot serve at no-such-host.invalid:8000 ([Errno -2] Name or service not "
                                          "known): pass another --port or --host"),
     (["--port", "BUSY"], "Address already in use): pass another --port or --host"),

@@ -5,6 +5,7 @@ import importlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -130,3 +131,58 @@ def test_sigterm_to_torchrun_within_its_shutdown_timeout_leaves_a_checkpoint_tha
     torchrun("flow_grpo.py", [*argv, "--output-dir", str(tmp_path / "straight")])
     assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
     assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 3), trained_params(tmp_path / "straight", 3)))
+
+
+# ---- the other entry points, and a closed stdout ----
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("command", ["evaluate", "serve-reward"])
+def test_a_signal_ends_evaluate_and_serve_reward_in_one_line(command, signum, tmp_path):
+    """Nothing to save: one line and exit status 128 + the signal, no KeyboardInterrupt traceback."""
+    argv = ["--model", "toy", "--images", "100000", "--output", str(tmp_path / "out")] if command == "evaluate" else \
+        ["--reward", "toy", "--port", "0"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "common.py"), command, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    if command == "evaluate":  # its --output is made before the model loads, the signal handlers before it
+        deadline = time.time() + 120
+        while not (tmp_path / "out").exists():
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+    else:
+        assert proc.stdout.readline().startswith("serving toy at http://127.0.0.1:")
+    time.sleep(1)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    assert err.splitlines()[-1:] == [f"common.py {command}: stopped by {signal.Signals(signum).name}"], err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["bogus"], []])
+def test_an_unknown_command_is_the_usage_and_exit_status_2(argv):
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), *argv], capture_output=True, text=True, env=ENV)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr == "usage: python common.py serve-reward | evaluate [--help]\n", out.stderr
+
+
+@pytest.mark.parametrize("script", ["flow_grpo.py", "common.py"])
+def test_a_closed_stdout_stops_the_printing_not_the_run(script, tmp_path):
+    """stdout a pipe whose reader has gone before the first line (`| head -n 0`): every print fails with EPIPE; the
+    run (or evaluation) goes on to its end, exit status 0, without a traceback."""
+    argv = ["evaluate", "--model", "toy", "--images", "4", "--output", str(tmp_path / "out")] if script == "common.py" \
+        else ["--model", "toy", *SMALL, "--iterations", "2", "--output-dir", str(tmp_path / "r")]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, str(ROOT / script), *argv], stdout=write, stderr=subprocess.PIPE,
+                             text=True, env=ENV, timeout=300)
+    finally:
+        os.close(write)
+    assert out.returncode == 0 and "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-3000:]
+    if script == "common.py":
+        assert (tmp_path / "out" / "results.json").is_file() and (tmp_path / "out" / "grid.png").is_file()
+    else:
+        assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000002"
+        assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]

@@ -194,6 +194,19 @@ def test_a_byte_order_mark_and_an_upper_case_suffix_are_read(name, tmp_path):
     assert {r["prompt"] for r in train + evals} == {"a red circle", "a blue square"}
 
 
+@pytest.mark.parametrize("name", ["p.jsonl", "p.txt"])
+def test_prompt_files_are_split_at_newlines_alone(name, tmp_path):
+    """JSON Lines (and text) split at \n only: a prompt may hold U+2028, U+2029, U+0085, form feeds (valid JSON, as
+    json.dumps(..., ensure_ascii=False) writes them); \r\n line ends are read too."""
+    odd = "a red circle\u2028\u2029\x85\x0c\x1c under a sky"
+    lines = [json.dumps({"prompt": odd}, ensure_ascii=False), json.dumps({"prompt": "a blue square", "split": "eval"})]
+    if name.endswith(".txt"):
+        lines = [odd, "a blue square"]
+    (tmp_path / name).write_text("\r\n".join(lines) + "\r\n", encoding="utf-8", newline="")
+    train, evals = common.load_prompts(str(tmp_path / name), "toy")
+    assert odd in [r["prompt"] for r in train + evals] and "a blue square" in [r["prompt"] for r in train + evals]
+
+
 def test_a_step_that_overflows_the_weights_stops_the_run():
     """A finite gradient and learning rate whose update is not finite in the weights' float32: stopped at once."""
     import torch
