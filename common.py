@@ -1166,8 +1166,8 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 class UpdateStats:
     """An update's statistics under the keys a trainer gives, fetched once per optimizer step (one host sync):
-    metrics(), each key's mean over the backward passes and grad_norm's over the steps that stepped (StepGuard: NaN
-    for a skipped one); max / mean, one key's or its step `step`'s."""
+    metrics(), each key's mean over the backward passes, grad_norm's over the steps that stepped; max / mean, one key's
+    or its step `step`'s."""
 
     def __init__(self):
         self.steps, self.pending, self.grad_norms = [], [], []
@@ -1414,11 +1414,11 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
-    """--lora-rank 0: float32 master weights (cast a block at a time); `shard` (--fsdp): FSDP2 on each block, then the
-    root, gathered in --dtype (inputs as they come: SD3's timestep float32), gradients reduced in float32, the frozen
-    `ref` alike in its dtype (README, Scaling out). Returns the trainable tensors (this rank's shards)."""
+    """--lora-rank 0: float32 master weights, cast a block at a time; `shard` (--fsdp): FSDP2 per block, then the root,
+    gathered in --dtype, inputs uncast, gradients reduced in float32, `ref` alike (README). Returns the shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # RMSNorm's float32 weight: unfused
     for module in (m for m in (transformer, ref if shard else None) if m is not None):
         for block in transformer_blocks(module) + [module]:
             if module is transformer:  # what is not sharded yet: this block, or the root's own layers
@@ -1724,8 +1724,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                 elif not lora:  # FSDP2 (collective): rank 0 gets the whole transformer
                     weights = get_model_state_dict(adapter.transformer, options=StateDictOptions(
                         full_state_dict=True, cpu_offload=True)) if sharded else adapter.transformer.state_dict()
-                    if rt.is_main:
-                        _save_diffusers_model(adapter, weights, folder / "transformer")
+                    if rt.is_main:  # float32 master weights, published as the base model loads
+                        _save_transformer(adapter.transformer, weights, folder / "transformer", adapter.weights_dtype)
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
@@ -1755,12 +1755,10 @@ def single_process(save_or_load, state: dict, folder: Path):
             root.removeFilter(drop)
 
 
-def _save_diffusers_model(adapter, weights: dict, folder: Path):
-    """save_pretrained's files of the adapter's transformer from a full state dict (FSDP2's too: config of the original
-    class), in the dtype the base model was loaded in (full fine-tuning's weights are float32 master weights)."""
+def _save_transformer(model: torch.nn.Module, weights: dict, folder: Path, dtype: torch.dtype):
+    """save_pretrained's files from a full state dict (FSDP2's too: the original class's config), in `dtype`."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True)
-    model, dtype = adapter.transformer, adapter.weights_dtype
     original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
     config = {"_class_name": original.__name__, **{k: v for k, v in dict(model.config).items()
                                                   if not k.startswith("_")}}
@@ -1771,8 +1769,7 @@ def _save_diffusers_model(adapter, weights: dict, folder: Path):
 
 def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, extra_state: dict | None = None,
                     scaler=None) -> float:
-    """Restores what training_state names in place from state/ (else not_written_here; a loss scale if it holds one);
-    returns the training seconds."""
+    """Restores what training_state names in place from state/ (else not_written_here); returns the training seconds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
@@ -2958,21 +2955,18 @@ def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.floa
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`module`'s floating tensors in `dtype`, but those transformers keeps float32 under fp16 (T5's `wo`)."""
-    keep = set(getattr(module, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else set()
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or [] if dtype == torch.float16 else [])
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-        want = torch.float32 if keep & set(name.split(".")) else dtype
-        if t.is_floating_point() and t.dtype != want:
-            t.data = t.data.to(want)
+        if t.is_floating_point():  # tensor by tensor: no round trip, and diffusers' no-op cast warning never raised
+            t.data = t.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
     return module
 if __name__ == "__main__":
-    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main}
-    if not (sys.argv[1:2] and sys.argv[1] in commands or sys.argv[1:2] == ["fetch-prompts"]):
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main,  # fetch-prompts NAME ...: for offline runs
+                "fetch-prompts": lambda names: [print(n, "prompts, train and held out:", *map(len, load_prompts(
+                    n, "sd3"))) for n in names]}
+    if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
     for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
         signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
-    if sys.argv[1] == "fetch-prompts":  # fetch-prompts NAME ...: prompt sets into the hub cache, for offline runs
-        with one_line_errors("common.py fetch-prompts"):
-            for name in sys.argv[2:]:
-                print(name, "prompts (train, held out):", *map(len, load_prompts(name, "sd3")))
-    else:
+    with one_line_errors(f"common.py {sys.argv[1]}"):
         commands[sys.argv[1]](sys.argv[2:])
