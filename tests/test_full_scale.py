@@ -85,10 +85,13 @@ def test_a_bad_random_model_path_stops_before_any_model_loads(tmp_path):
 
 
 # ---- one iteration at real width: the GPU check's CPU mode ----
-@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"), ("sd3", "v_grpo")])
+@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"),
+                                            pytest.param("sd3", "v_grpo", marks=pytest.mark.slow)])
 def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_path):
-    """The one-command GPU check on CPU: reduced depth, real widths, a --preflight run each, a table of what its one
-    iteration measured; the random-weight PickScore's checks FAIL or WARN, as they should."""
+    """The one-command GPU check on CPU: reduced depth, real widths, each model in its full-scale dtype (FLUX bf16, SD3
+    fp16), a --preflight run each, a table of what its one iteration measured; the random-weight PickScore's checks
+    FAIL or WARN, as they should. SD3's case is slow: fp16 matrix products run about 80x slower than float32 on a CPU
+    without fp16 arithmetic (its fast sibling: test_precision, on the tiny SD3 in fp16)."""
     out = tmp_path / "check"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--quick", "--models", family,
                            "--trainers", trainer, "--out", str(out)], capture_output=True, text=True, timeout=900,
@@ -123,6 +126,7 @@ def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
         module = __import__(trainer)
         argv = gpu_check.trainer_argv(trainer, family, ckpt=True, gpu=False, out=tmp_path / trainer)
         argv[argv.index("--model-path") + 1] = str(tmp_path / "pipe")
+        del argv[argv.index("--dtype"):argv.index("--dtype") + 2]     # a CPU's default, fp32, as a new user runs it
         argv += ["--reward", "jpeg", "--iterations", "1"]
         metrics = run(module, argv)
         assert metrics["iteration"] == 1 and math.isfinite(metrics["time_s"])

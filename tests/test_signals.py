@@ -164,7 +164,7 @@ def test_a_signal_ends_evaluate_and_serve_reward_in_one_line(command, signum, tm
 def test_an_unknown_command_is_the_usage_and_exit_status_2(argv):
     out = subprocess.run([sys.executable, str(ROOT / "common.py"), *argv], capture_output=True, text=True, env=ENV)
     assert out.returncode == 2 and out.stdout == "", out
-    assert out.stderr == "usage: python common.py serve-reward | evaluate [--help]\n", out.stderr
+    assert out.stderr == "usage: python common.py serve-reward | evaluate | fetch-prompts [--help]\n", out.stderr
 
 
 @pytest.mark.parametrize("script", ["flow_grpo.py", "common.py"])
