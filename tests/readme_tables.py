@@ -120,8 +120,8 @@ def row(trainer: str, model: str) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def defaults_table() -> str:
-    rows = [row(trainer, model) for model in MODELS for trainer in TRAINERS]
+def defaults_table(trainers: list[str] = TRAINERS) -> str:
+    rows = [row(trainer, model) for model in MODELS for trainer in trainers]
     return "\n".join([HEADER, "|" + "---|" * HEADER.count(" | ") + "---|", *rows]) + "\n"
 
 
