@@ -1402,7 +1402,7 @@ def work_snapshot(adapter, reward_fn, guard) -> dict:
 
 
 def work_done(adapter, reward_fn, before: dict, guard) -> dict:
-    """The work since `before` (a work_snapshot): of an iteration, or of a phase of it (a branching rollout's anchors)."""
+    """The work since `before` (a work_snapshot): of an iteration, or of a phase of it (a rollout's anchors)."""
     now = work_snapshot(adapter, reward_fn, guard)
     return {k: now.get(k, 0) - before.get(k, 0) for k in ("nfe_fwd", "nfe_fwd_bwd", "decodes", "reward_calls",
                                                            "skipped_steps")}
