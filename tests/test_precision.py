@@ -52,9 +52,9 @@ def test_the_full_scale_dtype_changes_what_flow_grpo_computes(family, tmp_path):
     """The same run in float32 and in its full-scale dtype: rewards and losses differ (the half-precision compute is
     real), and the first update is still exactly on-policy."""
     argv = [*tiny_argv("flow_grpo", family), *QUIET, "--iterations", "1"]
-    fp32 = run(flow_grpo, [*argv, "--output-dir", str(tmp_path / "fp32")]) and read_metrics(tmp_path / "fp32")[0]
-    half = run(flow_grpo, [*argv, "--dtype", FULL_SCALE[family], "--output-dir", str(tmp_path / "half")]) and \
-        read_metrics(tmp_path / "half")[0]
+    run(flow_grpo, [*argv, "--output-dir", str(tmp_path / "fp32")])
+    run(flow_grpo, [*argv, "--dtype", FULL_SCALE[family], "--output-dir", str(tmp_path / "half")])
+    fp32, half = (read_metrics(tmp_path / name)[0] for name in ("fp32", "half"))
     assert fp32["reward_mean"] != half["reward_mean"] and fp32["loss"] != half["loss"]
     assert half["ratio_dev_first_update"] == fp32["ratio_dev_first_update"] == 0.0
 
