@@ -24,6 +24,15 @@ def _cwd(tmp_path, monkeypatch):
     common.cpu_threads(1)
 
 
+@pytest.fixture
+def empty_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE set and an empty hub cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes each; run with `python -m pytest -q tests -m slow`")
 

@@ -29,15 +29,6 @@ def notice() -> dict:
     return {m[0]: m[1:] for m in NOTICE_ROW.findall((SETS / "README.md").read_text())}
 
 
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """HF_HUB_OFFLINE set and an empty hub cache."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    return tmp_path / "hub"
-
-
 def cache_fetched(hub: Path, name: str, train: str, held_out: str):
     """The files of set `name` that are not shipped, laid out in `hub` as prompt_file keeps them: HPDv2's in the hub's
     own layout (datasets--OWNER--NAME/snapshots/REVISION/FILE), Flow-GRPO's under prompt-sets/OWNER/NAME/COMMIT/."""
@@ -52,9 +43,9 @@ def cache_fetched(hub: Path, name: str, train: str, held_out: str):
         (path / source[0]).write_text(text)
 
 
-def test_every_shipped_file_is_its_source_file_and_held_out_split(offline_hub):
+def test_every_shipped_file_is_its_source_file_and_held_out_split(empty_hub):
     for name in ("ocr", "geneval"):  # their train files are fetched: a stand-in
-        cache_fetched(offline_hub, name, '{"prompt": "p"}\n', "")
+        cache_fetched(empty_hub, name, '{"prompt": "p"}\n', "")
     rows = notice()
     shipped = {s for sources in common.PROMPT_SETS.values() for s in sources if isinstance(s, str)}
     assert set(rows) == shipped and (SETS / "LICENSE").read_text().startswith("MIT License")
@@ -73,7 +64,7 @@ def test_every_shipped_file_is_its_source_file_and_held_out_split(offline_hub):
 
 
 @pytest.mark.parametrize("name", common.PROMPT_SETS)
-def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_cache(name, offline_hub):
+def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_cache(name, empty_hub):
     if name not in FETCHED:
         train, held_out = common.load_prompts(name, "flux")
         assert train and held_out
@@ -84,15 +75,15 @@ def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_ca
                         rf"`HF_HUB_OFFLINE=0 python common\.py fetch-prompts {name}` \(a failed download keeps "
                         rf"nothing\)", str(e.value)), str(e.value)
     if name == "hpdv2":  # records of image pairs: their distinct prompts, in order
-        cache_fetched(offline_hub, name, json.dumps([{"prompt": "a cat", "x": 1}, {"prompt": "a dog"},
+        cache_fetched(empty_hub, name, json.dumps([{"prompt": "a cat", "x": 1}, {"prompt": "a dog"},
                                                      {"prompt": "a cat"}]), json.dumps([{"prompt": "a fox"}]))
         assert common.load_prompts(name, "flux") == ([{"prompt": "a cat"}, {"prompt": "a dog"}], [{"prompt": "a fox"}])
-        cache_fetched(offline_hub, name, json.dumps({"prompt": "not a list"}), "[]")
+        cache_fetched(empty_hub, name, json.dumps({"prompt": "not a list"}), "[]")
         with pytest.raises(common.UsageError, match="is not HPDv2's list of records with a 'prompt'"):
             common.load_prompts(name, "flux")
         return
     record = {"prompt": 'a sign that says "hi"', "tag": "t"}
-    cache_fetched(offline_hub, name, json.dumps(record) if name == "geneval" else record["prompt"], "")
+    cache_fetched(empty_hub, name, json.dumps(record) if name == "geneval" else record["prompt"], "")
     train, held_out = common.load_prompts(name, "flux")
     assert train == [record if name == "geneval" else {"prompt": record["prompt"]}]  # GenEval's keep their metadata
     assert held_out == common.load_prompts(name, "sd3")[1] and len(held_out) == {"ocr": 1018, "geneval": 2212}[name]
@@ -111,7 +102,7 @@ def test_a_set_is_recorded_with_its_revision_and_read_only_at_it():
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
-def test_a_set_not_cached_offline_is_one_line_before_anything_is_written_or_loaded(trainer, offline_hub, tmp_path,
+def test_a_set_not_cached_offline_is_one_line_before_anything_is_written_or_loaded(trainer, empty_hub, tmp_path,
                                                                                    capsys, monkeypatch):
     module = importlib.import_module(trainer)
     monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
@@ -125,7 +116,7 @@ def test_a_set_not_cached_offline_is_one_line_before_anything_is_written_or_load
         err = capsys.readouterr().err
         assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert "fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts " in err, err
-        assert not (tmp_path / "run").exists() and not offline_hub.exists()
+        assert not (tmp_path / "run").exists() and not empty_hub.exists()
 
 
 class FileServer:

@@ -553,15 +553,6 @@ SCORER_REPOS = {"pickscore": ["yuvalkirstain/PickScore_v1", CLIP_H], "clipscore"
 NO_FILES = ["toy", "toy-soft", "jpeg", "imagereward"]  # imagereward's package keeps its own download folder
 
 
-@pytest.fixture
-def empty_hub(tmp_path, monkeypatch):
-    """HF_HUB_OFFLINE set and an empty hub cache."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
-    return tmp_path / "hub"
-
-
 def cache_file(hub: Path, repo: str, filename: str):
     """A file in the hub cache's layout: models--OWNER--NAME/refs/main -> snapshots/COMMIT/filename."""
     folder = hub / f"models--{repo.replace('/', '--')}"
