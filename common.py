@@ -1,16 +1,12 @@
-"""What the four trainers share. Method logic lives in the trainers; this file names no method, except where a step
-comes from (Flow-GRPO's SDE, CPS).
+"""What the four trainers share; method logic lives in the trainers, and this file names no method except where a
+step comes from (Flow-GRPO's SDE, CPS). Part I is the vocabulary a method is written in, to read beside a paper:
+1. flow math, 2. models, 3. rewards, 4. prompts, 5. the training verbs a method section calls. Part II is the
+machinery a fork uses without reading (the README states its promises, the tests hold them): 6. runtime and CLI,
+7. the training loop, 8. run folders and checkpoints, 9. logging, 10. evaluation, 11. preflight, 12. remote scorers,
+13. the models, scorers and prompt sets behind Part I's interfaces; Appendix A, the toy world; B, offline pipelines.
 
-Part I, the vocabulary a trainer's method is written in, is for reading beside a paper: 1. flow math (schedules, the
-ODE, SDE and CPS steps with their log-probs, the KL, the ODE sampler); 2. models (the toy, flux and sd3 adapters behind
-one interface, LoRA, the reference policy, the EMA); 3. rewards (the scorers, their weighted sum and its advantages);
-4. prompts. Part II, the machinery, is what a fork uses without reading (the README states its promises, the tests
-hold them): 5. runtime and CLI; 6. the training loop and its guards; 7. run folders and checkpoints; 8. logging;
-9. evaluation (`python common.py evaluate`); 10. preflight; 11. remote scorers and their server (`python common.py
-serve-reward`); 12. loading the inputs. Appendix A, the toy world; Appendix B, the published architectures offline.
-
-Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise,
-velocity v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
+Conventions (rectified flow, diffusers' `sigma`): x_t = (1 - t) x0 + t eps, t in [0, 1], t = 1 is noise, velocity
+v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > ... > t_T = 0.
 """
 from __future__ import annotations
 
@@ -51,10 +47,9 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 # ==============================================================================================================
 # PART I. THE VOCABULARY: what a method is written in, read beside its paper
-# 1. Flow math, all in float32. The SDE step is the ODE-to-SDE step of Flow-GRPO [Flow-GRPO Eq. 8, Eq. 9]:
-#    the reverse-time SDE with the ODE's marginals, discretised with Euler-Maruyama, g = a sqrt(t / (1 - t));
-#    CPS's step keeps the noise coefficient of the marginal [CPS, arXiv 2509.05952].
 # ==============================================================================================================
+# ---- 1. Flow math, in float32. The SDE step is Flow-GRPO's [Flow-GRPO Eq. 8, Eq. 9]: the reverse-time SDE with the
+#      ODE's marginals, Euler-Maruyama, g = a sqrt(t / (1 - t)); CPS's keeps the marginal's noise [arXiv 2509.05952].
 def shift_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     """Static time shift of SD3: t = s u / (1 + (s - 1) u)."""
     return shift * u / (1 + (shift - 1) * u)
@@ -108,9 +103,8 @@ def sample_ode(adapter, net, cond: dict, x: torch.Tensor, sigmas: torch.Tensor) 
 
 
 def sde_std(t, s, noise_level: float, t_cap: float):
-    """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s), as float32 tensors.
-    At t = 1 the denominator would vanish, so it uses 1 - t_cap with t_cap = t_1, the grid's second point, as
-    the official sampler does."""
+    """The diffusion coefficient g = a sqrt(t / (1 - t)) and the step's std g sqrt(t - s), as float32 tensors. At
+    t = 1 the denominator would vanish: it is 1 - t_cap, t_cap = t_1 the grid's second point (as the official code)."""
     t = torch.as_tensor(t, dtype=torch.float32)
     s = torch.as_tensor(s, dtype=torch.float32)
     g = noise_level * torch.sqrt(t / (1 - torch.where(t >= 1, torch.as_tensor(t_cap, dtype=torch.float32), t)))
@@ -182,10 +176,9 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
     return next_x.float(), -((next_x.float() - mean) ** 2).flatten(1).mean(1), mean, std
 
 
-# ==============================================================================================================
-# 2. Models: one small interface, so trainers never branch on the model; LoRA; the EMA
-# ==============================================================================================================
-# Each adapter holds the frozen parts (text encoders, VAE) and the `transformer` being trained, and knows:
+# ---- 2. Models: one interface, so trainers never branch on the model; LoRA; the reference policy; the EMA ----
+# An adapter (section 13 and Appendix A; load_model makes one) holds the frozen parts (text encoders, VAE) and the
+# `transformer` being trained, and knows:
 #   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
 #   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
 #   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
@@ -193,24 +186,12 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict), weights_dtype (the transformer's as loaded, and as published)
-# load_model (section 12) makes one; the toy adapter is in Appendix A, random-weight pipelines in Appendix B.
 MODELS = ("toy", "flux", "sd3")
 HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
 FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                      "ff_context.net.2"]
 SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
-
-
-def weight_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
-    scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
-    return torch.float32 if dtype == torch.float16 else dtype
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """Autocast to the compute dtype (bf16, fp16) on any device, CPU included; float32 runs without it."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def cond_select(cond: dict, idx) -> dict:
@@ -223,155 +204,6 @@ def cond_repeat(cond: dict, n: int) -> dict:
     return {k: repeat(v, "b ... -> (b n) ...", n=n) for k, v in cond.items()}
 
 
-class FluxFamilyAdapter:
-    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
-
-    transformer: torch.nn.Module
-    guidance_scale: float | None = None
-
-    def velocity(self, net, x, t, cond):
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
-        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
-            out = net(hidden_states=x.to(self.weights_dtype), timestep=t, guidance=guidance,
-                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
-        return out.float()
-
-
-class PipelineAdapter:
-    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
-    the transformer (or its LoRA) trainable."""
-
-    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
-                 offload_encoders: bool):
-        _freeze_pipeline(pipe, device, dtype, offload_encoders)
-        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
-        self.device, self.dtype, self.resolution, self.weights_dtype = device, dtype, resolution, weight_dtype(dtype)
-        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
-        self.offload_encoders = offload_encoders
-
-    @contextlib.contextmanager
-    def encoders_on_device(self):
-        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
-        9.5 GB in bf16)."""
-        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
-        for m in encoders if self.offload_encoders else []:
-            m.to(self.device)
-        try:
-            yield
-        finally:
-            for m in encoders if self.offload_encoders else []:
-                m.to("cpu")
-
-    def vae_decode(self, latents):
-        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
-        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
-        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
-
-    def save_lora(self, path, state_dict):
-        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
-
-
-class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
-    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
-
-    lora_targets = FLUX_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
-                 max_sequence_length: int = 512, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor
-        if resolution % (2 * f) or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
-        self.h = 2 * (resolution // (2 * f))  # latent side before packing
-        self.channels = self.transformer.config.in_channels // 4
-        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
-        self.txt_ids = None
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
-                                                                   max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    def noise(self, n, generator=None):
-        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
-        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
-
-    def sigmas(self, num_steps):
-        c = self.pipe.scheduler.config
-        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
-                           c.max_shift)
-
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
-                                                         self.pipe.vae_scale_factor))
-
-
-class SD3Adapter(PipelineAdapter):
-    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
-    pipeline does), static shift 3, timesteps 1000 t."""
-
-    lora_targets = SD3_LORA_TARGETS
-
-    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
-                 max_sequence_length: int = 128, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if resolution % f or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
-        self.h = resolution // pipe.vae_scale_factor
-        self.channels = self.transformer.config.in_channels
-        self.negative = None
-
-    def _encode(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.max_sequence_length)
-        return {"prompt_embeds": embeds, "pooled": pooled}
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            if self.negative is None and self.guidance_scale > 1:
-                self.negative = self._encode([""])
-            return self._encode(prompts)
-
-    def noise(self, n, generator=None):
-        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
-
-    def sigmas(self, num_steps):
-        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
-
-    def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
-        cfg = self.guidance_scale > 1
-        if cfg:  # [uncond, cond] in one batch, like the pipeline
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
-            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
-        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
-            out = net(hidden_states=x.to(self.weights_dtype), timestep=t * 1000, encoder_hidden_states=embeds,
-                      pooled_projections=pooled, return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
-
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(x.float())
-
-
-# The trained parameters: a LoRA (or the whole transformer) and their exponential moving average.
 def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> list[torch.nn.Parameter]:
     """Freezes the transformer and adds a peft LoRA (diffusers' integration: the adapter can be disabled for the
     reference policy and saved in diffusers' format); rank 0 = full fine-tuning. Returns the trainable parameters."""
@@ -398,16 +230,15 @@ def lora_disabled(transformer: torch.nn.Module):
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network, made before any
-    sharding (--fsdp then shards it like the trained one)."""
+    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network (full_finetuning casts
+    and shards it as it does the trained one, so the two compute alike)."""
     return copy.deepcopy(module).eval().requires_grad_(False)
 
 
 class EMA:
-    """Exponential moving average of the trainable parameters: after optimizer step n (counting from 1), if n + 1 is
-    a multiple of `every`, shadow <- d shadow + (1 - d) theta with d = `decay`; with `warmup`, the official GRPO
-    trainers' schedule, d = min((1 + n) / (10 + n), decay), a warm-up counted in optimizer steps. Any other soft copy,
-    a slowly moving old policy say, is EMA(params, decay, every=1, warmup=False)."""
+    """Exponential moving average of the trainable parameters: after optimizer step n (from 1), if n + 1 is a multiple
+    of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`; with `warmup`, the official GRPO trainers' schedule,
+    d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False)."""
 
     def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True):
         self.params, self.decay, self.every, self.warmup = list(params), decay, every, warmup
@@ -436,241 +267,15 @@ class EMA:
                     p.copy_(b)
 
 
-# ==============================================================================================================
-# 3. Rewards: name -> scorer, each (images (N,3,H,W) in [0,1], prompts, metadata) -> (N,) float32; metadata: the
-#    prompts' records from the prompt file (GenEval's tags, say), or None. Then their weighted sum and its advantages.
-#    How the scorers' weights load and their images are preprocessed: section 12.
-# ==============================================================================================================
-class ToyReward:
-    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts, metadata=None):
-        return toy_reward(images, prompts).to(self.device)
-
-
-class ToySoftReward(ToyReward):
-    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
-
-    def __call__(self, images, prompts, metadata=None):
-        return toy_soft_reward(images, prompts).to(self.device)
-
-
-class JpegCompressibility:
-    """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
-
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts, metadata=None):
-        sizes = []
-        for im in pil_images(images):
-            buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=95)
-            sizes.append(-buf.tell() / 1000)
-        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
-
-
-CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
-
-
-class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
-
-    divisor = 1.0
-
-    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
-        from transformers import CLIPProcessor
-        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
-        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
-        self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
-        self.device, self.dtype = torch.device(device), dtype
-        self.max_length = self.model.config.text_config.max_position_embeddings
-
-    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
-        from transformers import CLIPModel
-        return CLIPModel.from_pretrained(model_id, dtype=dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        return clip_preprocess(images, self.image_config)
-
-    @torch.no_grad()
-    def cosine(self, images, prompts) -> torch.Tensor:
-        """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
-        pixels = self.preprocess(images.to(self.device)).to(self.dtype)
-        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
-                              return_tensors="pt").to(self.device)
-        # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
-        img, txt = self.model.get_image_features(pixel_values=pixels), self.model.get_text_features(**text)
-        img, txt = (e if isinstance(e, torch.Tensor) else e.pooler_output for e in (img, txt))
-        return F.cosine_similarity(img.float(), txt.float(), dim=-1)
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
-
-
-class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
-    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
-
-    divisor = 26.0
-
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, processor_id, device, dtype)
-
-
-class CLIPScore(_CLIPSimilarity):
-    """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
-
-    divisor = 30.0
-
-    def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, None, device, dtype)
-
-
-class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
-    scale (typical values 0.2-0.35). Its open_clip checkpoint runs as a transformers CLIPModel (openclip_model: the
-    open_clip package needs torchvision) with CLIP-H's config, tokenizer and image statistics (processor_id). The
-    images are preprocessed as the hpsv2 package does: the longer side resized to 224, black padding to a square,
-    normalised (resize_max_size; the package resizes the 8-bit PIL image, here the float images are resized)."""
-
-    quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
-
-    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
-                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        self.filename = filename
-        super().__init__(model_id, processor_id, device, dtype)
-
-    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
-        return openclip_model(hub_file(model_id, self.filename), processor_id, self.quick_gelu, dtype)
-
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        return normalise(resize_max_size(images, self.image_config["crop_size"]["height"]), self.image_config)
-
-    def __call__(self, images, prompts, metadata=None):
-        return self.cosine(images, prompts)
-
-
-class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
-    scale, the papers' CLIP reward (README, Rewards; typical values 0.3-0.4; this is the 224 px checkpoint, one
-    published script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
-    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
-    images, as HPSv2's)."""
-
-    quick_gelu = True
-    preprocess = _CLIPSimilarity.preprocess
-
-    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
-                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, filename, processor_id, device, dtype)
-        side = self.image_config["crop_size"]["height"]
-        self.image_config["size"] = {"height": side, "width": side}
-
-
-class Aesthetic:
-    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
-    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
-
-    def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
-                 clip_id=CLIP_L, device="cpu", dtype=torch.float32):
-        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
-        self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
-        self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
-        self.head = aesthetic_head(hub_file(model_id, filename), self.clip.config.projection_dim)
-        self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
-        self.device, self.dtype = torch.device(device), dtype
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
-        embedding = self.clip(pixel_values=pixels).image_embeds.float()
-        return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
-    if len(a) < len(b):
-        a, b = b, a
-    row = list(range(len(b) + 1))  # row[j]: distance between the prefix of a read so far and b[:j]
-    for i, ca in enumerate(a, 1):
-        diagonal, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
-    return row[-1]
-
-
-def ocr_reward(recognised: str, prompt: str) -> float:
-    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target: the prompt's text
-    after its first double quote, up to the next one if any, else the whole prompt. Both are lower-cased without any
-    whitespace (the lines read come newline-separated). d = 0 when the target occurs in the recognised text, else
-    their edit distance capped at len(target). An empty target scores 1 (the official code divides by 0)."""
-    target = prompt.split('"')[1] if '"' in prompt else prompt
-    target, text = ("".join(s.split()).lower() for s in (target, recognised))
-    if target in text:
-        return 1.0
-    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
-
-
-class OCRScore:
-    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
-    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
-    official PaddleOCR, reading greedily up to max_new_tokens (got_ocr_read)."""
-
-    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
-                 max_new_tokens: int = 128):
-        from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
-        self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
-        self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
-        self.model = self.model.eval().requires_grad_(False).to(device)
-        self.device, self.max_new_tokens, self.last_texts = torch.device(device), max_new_tokens, []
-
-    @torch.no_grad()
-    def recognise(self, images: torch.Tensor) -> list[str]:
-        """The text read in each image (N,3,H,W) in [0, 1]."""
-        return got_ocr_read(self.processor, self.model, images, self.max_new_tokens)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-        self.last_texts = self.recognise(images)
-        scores = [ocr_reward(text, prompt) for text, prompt in zip(self.last_texts, prompts, strict=True)]
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
-
-
-class ImageRewardScore:
-    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
-    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
-    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
-
-    def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
-        try:
-            import ImageReward
-        except ImportError as e:
-            raise UsageError(f"imagereward needs the image-reward package and transformers<4.56 ({e}); serve it from "
-                             f"an environment of its own (README, Rewards) and pass --reward "
-                             f"remote:http://HOST:PORT/imagereward") from None
-        self.model, self.device = ImageReward.load(model_id, device=str(device)), device
-
-    @torch.no_grad()
-    def __call__(self, images, prompts, metadata=None):
-        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, pil_images(images))]
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
-
-
-REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
-           "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
-           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
+# ---- 3. Rewards: a scorer maps (images (N, 3, H, W) in [0, 1], prompts, metadata) to (N,) float32 scores; metadata
+#      are the prompts' records from the prompt file (GenEval's tags, say), or None. REWARDS (section 13) names them.
 REWARD_NORMS = ("sum", "per-reward")
 
 
 class WeightedReward:
-    """Several scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). __call__ returns
-    (total (N,), {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores; a scorer that fails
-    on any rank stops every rank with the same line (stop_together)."""
+    """Scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). Called, it returns (total (N,),
+    {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores; a scorer that fails on any rank
+    stops every rank with the same line (stop_together)."""
 
     def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
@@ -695,9 +300,8 @@ class WeightedReward:
         return sum(w * parts[name] for name, w in self.weights.items())
 
     def advantages(self, parts: dict, group_advantage) -> torch.Tensor:
-        """One advantage per sample, by --reward-norm (`norm`, one of REWARD_NORMS): `group_advantage` (rewards of
-        any shape -> advantages of that shape) applied to the weighted sum of `parts` (sum), or to each part and
-        then summed with the weights (per-reward)."""
+        """Advantages by --reward-norm (`norm`): `group_advantage` (rewards of any shape -> advantages) applied to the
+        weighted sum of `parts` (sum), or to each part and then summed with the weights (per-reward)."""
         if self.norm == "sum":
             return group_advantage(self.total(parts))
         return sum(w * group_advantage(parts[name]) for name, w in self.weights.items())
@@ -708,23 +312,10 @@ class WeightedReward:
                 for name in self.weights}
 
 
-def short_reward_name(name: str) -> str:
-    """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
-    return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
-
-
-def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
-    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
-    return WeightedReward(parse_reward_spec(spec), device, norm)
-
-
-# ==============================================================================================================
-# 4. Prompts
-# ==============================================================================================================
+# ---- 4. Prompts: records {"prompt": str, ...metadata} ----
 def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
-    """(train, eval) record lists {"prompt": str, ...metadata}: a prompt set's (prompt_set), a .txt file's (a prompt a
-    line) or a .jsonl file's ("prompt", optional "split": "train" / "eval"; read_prompt_file), every 10th held out if
-    none has a split; without a path the toy's held-out pairs as both for the toy model, else assets/prompts.txt's."""
+    """(train, eval) records of a prompt set (prompt_set) or file (read_prompt_file: every 10th held out unless the
+    records have a "split"); no path: the toy's held-out pairs as both for the toy model, else assets/prompts.txt's."""
     if path is None and model == "toy":
         recs = [{"prompt": toy_prompt(c, s), "color": c, "shape": s} for c, s in TOY_HELD_OUT]
         return recs, recs
@@ -747,10 +338,119 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
     return [records[i] for i in idx.tolist()]
 
 
+# ---- 5. The training verbs a method section calls: seeded draws, collectives, gradient accumulation, the step ----
+def make_generator(*keys: int) -> torch.Generator:
+    """A CPU generator seeded from integers (seed, rank, iteration, ...), so a resumed run repeats the same draws."""
+    # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
+    g = torch.Generator()
+    g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
+    return g
+
+
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Concatenates a tensor of equal shape from every rank (rank order); the tensor itself on one process."""
+    if not dist.is_initialized():
+        return x
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over ranks; the tensor itself on one process."""
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x
+
+
+def no_sync(net: torch.nn.Module, skip: bool):
+    """skip=True: no gradient sync while accumulating (DDP's no_sync(), FSDP2's set_requires_gradient_sync)."""
+    if hasattr(net, "set_requires_gradient_sync"):
+        net.set_requires_gradient_sync(not skip)
+        return contextlib.nullcontext()
+    return net.no_sync() if skip and hasattr(net, "no_sync") else contextlib.nullcontext()
+
+
+class UpdateStats:
+    """An update's statistics, the keys given to `add` after each backward pass, fetched once per optimizer step (one
+    sync): metrics() (each key's mean, grad_norm's over the steps that stepped); a key's max / mean, or its step's."""
+
+    def __init__(self):
+        self.steps, self.pending, self.grad_norms = [], [], []
+
+    def add(self, **values: torch.Tensor):
+        self.pending.append(values)
+
+    def stepped(self, grad_norm: float):
+        rows = torch.stack([torch.stack([v.detach().float() for v in d.values()]) for d in self.pending]).tolist()
+        self.steps.append([dict(zip(self.pending[0], row)) for row in rows])
+        self.pending = []
+        self.grad_norms.append(grad_norm)
+
+    def values(self, key: str, step: int | None = None) -> list[float]:
+        return [d[key] for d in (self.steps[step] if step is not None else itertools.chain(*self.steps))]
+
+    def max(self, key: str, step: int | None = None) -> float:
+        return max(self.values(key, step))
+
+    def mean(self, key: str, step: int | None = None) -> float:
+        return float(np.mean(self.values(key, step)))
+
+    def metrics(self) -> dict:
+        norms = [n for n in self.grad_norms if math.isfinite(n)] or [math.nan]
+        return {**{k: self.mean(k) for k in self.steps[0][0]}, "grad_norm": sum(norms) / len(norms)}
+
+
+class StepGuard:
+    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN / inf on any:
+    `max_bad` skips in a row, or weights a step made non-finite, stop the run. `loss_scaling` (fp16): a GradScaler."""
+    last: StepGuard | None = None  # the one made last: a TrainingLoop given none keeps its loss scale
+
+    def __init__(self, max_bad: int, device, loss_scaling: bool = False):
+        self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
+        self.scaler = torch.amp.GradScaler(device.type) if loss_scaling else None
+        self.losses_finite, StepGuard.last = True, self
+
+    def backward(self, loss: torch.Tensor):
+        """loss.backward(); fp16: of the scaled loss."""
+        if self.scaler is None:
+            return loss.backward()
+        self.losses_finite &= bool(torch.isfinite(loss.detach()))
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer, params: list, grad_clip: float) -> tuple[bool, float]:
+        """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm / NaN)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
+        flags = all_ranks([torch.isfinite(norm.detach()), self.losses_finite], self.device, dist.ReduceOp.MIN)
+        stepped, losses_finite = map(bool, flags)
+        if stepped:
+            optimizer.step()
+            if not finite(params, self.device):
+                raise TrainingStopped("an optimizer step made the weights non-finite (the update overflowed their "
+                                      "dtype), unsaved: resume from the last checkpoint with a smaller --lr")
+        if self.scaler is not None:
+            self.scaler.update()
+            self.losses_finite = True
+        optimizer.zero_grad(set_to_none=True)
+        overflow = not stepped and self.scaler is not None and losses_finite
+        self.in_a_row = 0 if stepped or overflow else self.in_a_row + 1
+        self.skipped += not stepped
+        if self.in_a_row >= self.max_bad:
+            raise TrainingStopped(f"{self.in_a_row} optimizer steps in a row had a NaN or inf gradient norm (a non-"
+                                  f"finite reward, loss or gradient) and were skipped, unsaved: resume from the last "
+                                  f"checkpoint with a smaller --lr or a fixed reward, or raise --max-bad-steps")
+        return stepped, norm.item() if stepped else math.nan
+
+
 # ==============================================================================================================
 # PART II. THE MACHINERY: what a fork uses without reading; the README states its promises, the tests hold them
-# 5. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives
 # ==============================================================================================================
+# ---- 6. Runtime and CLI: torchrun, seeds, one-line errors, signals, the dataclass command line, collectives ----
 @dataclasses.dataclass
 class Runtime:
     rank: int
@@ -830,14 +530,6 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def make_generator(*keys: int) -> torch.Generator:
-    """A CPU generator seeded from integers (seed, rank, iteration, ...), so a resumed run repeats the same draws."""
-    # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
-    g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
-    return g
 
 
 def print0(*args, **kwargs):
@@ -1038,23 +730,6 @@ def all_ranks(values: list, device, op) -> list[float]:
     return t.tolist()
 
 
-def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
-    """Concatenates a tensor of equal shape from every rank (rank order)."""
-    if not dist.is_initialized():
-        return x
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
-    return torch.cat(out)
-
-
-def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        x = x.clone()
-        dist.all_reduce(x)
-        x /= dist.get_world_size()
-    return x
-
-
 @contextlib.contextmanager
 def stop_together(what: str):
     """A block every rank runs: an exception in it on any rank stops every rank with the same line, none waiting."""
@@ -1079,22 +754,23 @@ def rank_param_diff(params: list[torch.Tensor]) -> float:
     return (allfp.max(0).values - allfp.min(0).values).max().item()
 
 
-def no_sync(net: torch.nn.Module, skip: bool):
-    """skip=True: no gradient sync while accumulating (DDP's no_sync(), FSDP2's set_requires_gradient_sync)."""
-    if hasattr(net, "set_requires_gradient_sync"):
-        net.set_requires_gradient_sync(not skip)
-        return contextlib.nullcontext()
-    return net.no_sync() if skip and hasattr(net, "no_sync") else contextlib.nullcontext()
-
-
 def out_of_time(t0: float, budget: float, device) -> bool:
     """--time-budget: True on every rank once `budget` s (0: never) have passed since t0 on any."""
     return budget > 0 and bool(all_ranks([time.time() - t0 >= budget], device, dist.ReduceOp.MAX)[0])
 
 
-# ==============================================================================================================
-# 6. The training loop and its guards: the loop around the method, the step guard, work counters, FSDP2
-# ==============================================================================================================
+# ---- 7. The training loop around the method: its guards, work counters, FSDP2 ----
+def micro_batches_per_update(n: int, micro_batch: int, updates: int,
+                             samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
+    """Micro-batches per optimizer step for n samples per rank, `updates` steps; a UsageError unless both divide."""
+    if n % micro_batch:
+        raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
+    if (n // micro_batch) % updates:
+        raise UsageError(f"--updates-per-rollout {updates} must divide the {n // micro_batch} micro-batches per "
+                         f"rank; change it or --micro-batch")
+    return n // micro_batch // updates
+
+
 def setup_training(args) -> Runtime:
     """Checks, before a model loads, what the flags' bounds (cli) do not: the model, weights and reward (check_model),
     --wandb, then after setup_runtime the flags that depend on the number of ranks."""
@@ -1151,49 +827,6 @@ def check_model(name: str, path: str | None, reward: str | None = None):
             raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
                              f"again (save_pretrained) or download it again")
     check_scorer_files(names)
-
-
-def micro_batches_per_update(n: int, micro_batch: int, updates: int,
-                             samples: str = "samples per rank (prompts-per-step/ranks x group-size)") -> int:
-    """Micro-batches per optimizer step for n samples per rank, `updates` steps; a UsageError unless both divide."""
-    if n % micro_batch:
-        raise UsageError(f"--micro-batch {micro_batch} must divide the {n} {samples}")
-    if (n // micro_batch) % updates:
-        raise UsageError(f"--updates-per-rollout {updates} must divide the {n // micro_batch} micro-batches per "
-                         f"rank; change it or --micro-batch")
-    return n // micro_batch // updates
-
-
-class UpdateStats:
-    """An update's statistics under the keys a trainer gives, fetched once per optimizer step (one host sync):
-    metrics(), each key's mean over the backward passes, grad_norm's over the steps that stepped; max / mean, one key's
-    or its step `step`'s."""
-
-    def __init__(self):
-        self.steps, self.pending, self.grad_norms = [], [], []
-
-    def add(self, **values: torch.Tensor):
-        self.pending.append(values)
-
-    def stepped(self, grad_norm: float):
-        rows = torch.stack([torch.stack([v.detach().float() for v in d.values()]) for d in self.pending]).tolist()
-        self.steps.append([dict(zip(self.pending[0], row)) for row in rows])
-        self.pending = []
-        self.grad_norms.append(grad_norm)
-
-    def values(self, key: str, step: int | None = None) -> list[float]:
-        return [d[key] for d in (self.steps[step] if step is not None else itertools.chain(*self.steps))]
-
-    def max(self, key: str, step: int | None = None) -> float:
-        return max(self.values(key, step))
-
-    def mean(self, key: str, step: int | None = None) -> float:
-        values = self.values(key, step)
-        return sum(values) / len(values)
-
-    def metrics(self) -> dict:
-        norms = [n for n in self.grad_norms if math.isfinite(n)] or [math.nan]
-        return {**{k: self.mean(k) for k in self.steps[0][0]}, "grad_norm": sum(norms) / len(norms)}
 
 
 class TrainingLoop:
@@ -1332,50 +965,6 @@ def finite(tensors, device) -> bool:
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
-class StepGuard:
-    """Backward passes and the optimizer step, skipped on every rank when the gradient norm is NaN / inf on any:
-    `max_bad` skips in a row, or weights a step made non-finite, stop the run. `loss_scaling` (fp16): a GradScaler."""
-
-    def __init__(self, max_bad: int, device, loss_scaling: bool = False):
-        self.max_bad, self.device, self.in_a_row, self.skipped = max_bad, device, 0, 0
-        self.scaler = torch.amp.GradScaler(device.type) if loss_scaling else None
-        self.losses_finite = True
-
-    def backward(self, loss: torch.Tensor):
-        if self.scaler is None:
-            return loss.backward()
-        self.losses_finite &= bool(torch.isfinite(loss.detach()))
-        self.scaler.scale(loss).backward()
-
-    def step(self, optimizer, params: list, grad_clip: float) -> tuple[bool, float]:
-        """Clips, then steps if every rank's gradient is finite; zeroes the gradients. Returns (stepped, norm / NaN)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over all shards
-        flags = all_ranks([torch.isfinite(norm.detach()), self.losses_finite], self.device, dist.ReduceOp.MIN)
-        stepped, losses_finite = map(bool, flags)
-        if stepped:
-            optimizer.step()
-            if not finite(params, self.device):
-                raise TrainingStopped("an optimizer step made the weights non-finite (the update overflowed their "
-                                      "dtype); nothing was saved after the last checkpoint. Resume from it with a "
-                                      "smaller --lr")
-        if self.scaler is not None:
-            self.scaler.update()
-            self.losses_finite = True
-        optimizer.zero_grad(set_to_none=True)
-        overflow = not stepped and self.scaler is not None and losses_finite
-        self.in_a_row = 0 if stepped or overflow else self.in_a_row + 1
-        self.skipped += not stepped
-        if self.in_a_row >= self.max_bad:
-            raise TrainingStopped(f"{self.in_a_row} optimizer steps in a row had a NaN or inf gradient norm (from a "
-                                  f"non-finite reward, loss or gradient) and were skipped; nothing was saved after "
-                                  f"the last checkpoint. Resume from it with a smaller --lr or a fixed reward, or "
-                                  f"raise --max-bad-steps")
-        return stepped, norm.item() if stepped else math.nan
-
-
 def instrument(adapter):
     """Counts in `adapter.counts` the transformer's rows with and without grad and the decodes (README, Metrics); a
     module hook, so a frozen copy made later counts too."""
@@ -1430,9 +1019,7 @@ def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: 
     return [q for q in transformer.parameters() if q.requires_grad]
 
 
-# ==============================================================================================================
-# 7. Run folders and checkpoints
-# ==============================================================================================================
+# ---- 8. Run folders and checkpoints ----
 @dataclasses.dataclass
 class Run:
     """A run: folder, `meta` (what --resume must match), `config` (args.json), checkpoint (None: fresh), iteration."""
@@ -1789,9 +1376,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     return float(info["elapsed"])
 
 
-# ==============================================================================================================
-# 8. Logging and labelled image grids
-# ==============================================================================================================
+# ---- 9. Logging and labelled image grids ----
 class Logger:
     """Main process only: an iteration's JSON line in metrics.jsonl (NaN, inf: null), on stdout, in W&B if asked."""
 
@@ -1889,9 +1474,7 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.detach().float().nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
-# ==============================================================================================================
-# 9. Evaluation, also from the command line (`python common.py evaluate`)
-# ==============================================================================================================
+# ---- 10. Evaluation, also from the command line (`python common.py evaluate`) ----
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
@@ -2087,10 +1670,8 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
                          f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
 
 
-# ==============================================================================================================
-# 10. Preflight (--preflight): one iteration of the trainer's own main, judged by what it logs and leaves, and the run's
-#     cost (README, Before a long run). Rows: (check, value, expected, status PASS / WARN / FAIL / - / n/a, advice).
-# ==============================================================================================================
+# ---- 11. Preflight (--preflight): one iteration of the trainer's own main, judged by what it logs and
+#      leaves, and the run's cost (README). Rows: (check, value, expected, PASS / WARN / FAIL / - / n/a, advice).
 PROMPT_SE = 2.0                      # right prompts must beat shifted ones by this many standard errors
 PROMPT_FREE = {"jpeg", "aesthetic"}  # the scorers that read no prompt; every other one must be prompt-sensitive
 ON_POLICY_TOL = {"cpu": 0.0, "cuda": 1e-4}  # each *_first_update metric at a fresh start; GPU: the smallest clip
@@ -2237,9 +1818,7 @@ def _reward_rows(loop, a) -> tuple[list, float]:
     return rows, eval_s
 
 
-# ==============================================================================================================
-# 11. Remote scorers and the reward server (`python common.py serve-reward`)
-# ==============================================================================================================
+# ---- 12. Remote scorers and the reward server (`python common.py serve-reward`) ----
 class RemoteReward:
     """A scorer over HTTP (protocol: README, Rewards): each call POSTs one JSON batch, retrying a failed try (no whole
     answer in `timeout` s, HTTP 5xx, not JSON) `retries` times; anything else wrong stops the run at once."""
@@ -2385,9 +1964,9 @@ def serve_reward(argv=None):
     server.serve_forever()
 
 
-# ==============================================================================================================
-# 12. Loading the inputs: the model, the reward spec, the scorers' files, weight mappings and preprocessing, prompts
-# ==============================================================================================================
+
+
+# ---- 13. Behind Part I's interfaces: the model adapters, the scorers, the prompt sets, and how they load ----
 def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
                guidance_scale: float | None = None, max_sequence_length: int | None = None,
                offload_encoders: bool = False):
@@ -2413,6 +1992,165 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
                        **{k: v for k, v in settings.items() if v is not None})
 
 
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
+    scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to the compute dtype (bf16, fp16) on any device, CPU included; float32 runs without it."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+class FluxFamilyAdapter:
+    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
+
+    transformer: torch.nn.Module
+    guidance_scale: float | None = None
+
+    def velocity(self, net, x, t, cond):
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
+        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
+            out = net(hidden_states=x.to(self.weights_dtype), timestep=t, guidance=guidance,
+                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
+                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        return out.float()
+
+
+class PipelineAdapter:
+    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
+    the transformer (or its LoRA) trainable."""
+
+    def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
+                 offload_encoders: bool):
+        _freeze_pipeline(pipe, device, dtype, offload_encoders)
+        self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
+        self.device, self.dtype, self.resolution, self.weights_dtype = device, dtype, resolution, weight_dtype(dtype)
+        self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
+        self.offload_encoders = offload_encoders
+
+    @contextlib.contextmanager
+    def encoders_on_device(self):
+        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
+        9.5 GB in bf16)."""
+        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
+        for m in encoders if self.offload_encoders else []:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m in encoders if self.offload_encoders else []:
+                m.to("cpu")
+
+    def vae_decode(self, latents):
+        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
+        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_lora(self, path, state_dict):
+        type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
+
+
+class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
+    """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
+
+    lora_targets = FLUX_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
+                 max_sequence_length: int = 512, offload_encoders: bool = False):
+        f = pipe.vae_scale_factor
+        if resolution % (2 * f) or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
+        self.h = 2 * (resolution // (2 * f))  # latent side before packing
+        self.channels = self.transformer.config.in_channels // 4
+        self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
+        self.txt_ids = None
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        with self.encoders_on_device():
+            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
+                                                                   max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    def noise(self, n, generator=None):
+        x = torch.randn((n, self.channels, self.h, self.h), generator=generator)
+        return self.pipe._pack_latents(x, n, self.channels, self.h, self.h).to(self.device)
+
+    def sigmas(self, num_steps):
+        c = self.pipe.scheduler.config
+        return flux_sigmas(num_steps, (self.h // 2) ** 2, c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                           c.max_shift)
+
+    @torch.no_grad()
+    def decode(self, x):
+        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
+                                                         self.pipe.vae_scale_factor))
+
+
+class SD3Adapter(PipelineAdapter):
+    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
+    pipeline does), static shift 3, timesteps 1000 t."""
+
+    lora_targets = SD3_LORA_TARGETS
+
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
+                 max_sequence_length: int = 128, offload_encoders: bool = False):
+        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        if resolution % f or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
+        self.h = resolution // pipe.vae_scale_factor
+        self.channels = self.transformer.config.in_channels
+        self.negative = None
+
+    def _encode(self, prompts):
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.max_sequence_length)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    @torch.no_grad()
+    def encode(self, prompts):
+        with self.encoders_on_device():
+            if self.negative is None and self.guidance_scale > 1:
+                self.negative = self._encode([""])
+            return self._encode(prompts)
+
+    def noise(self, n, generator=None):
+        return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
+
+    def sigmas(self, num_steps):
+        return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
+
+    def velocity(self, net, x, t, cond):
+        b = len(x)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
+        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
+        cfg = self.guidance_scale > 1
+        if cfg:  # [uncond, cond] in one batch, like the pipeline
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
+            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
+        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
+            out = net(hidden_states=x.to(self.weights_dtype), timestep=t * 1000, encoder_hidden_states=embeds,
+                      pooled_projections=pooled, return_dict=False)[0].float()
+        if cfg:
+            uncond, text = out.chunk(2)
+            out = uncond + self.guidance_scale * (text - uncond)
+        return out
+
+    @torch.no_grad()
+    def decode(self, x):
+        return self.vae_decode(x.float())
+
+
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
     """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
     in `dtype` (_cast), the transformer in weight_dtype(dtype), the VAE in float32."""
@@ -2421,6 +2159,241 @@ def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
             offload = offload_encoders and name.startswith("text_encoder")
             module.requires_grad_(False).eval().to("cpu" if offload else device)
             _cast(module, {"vae": torch.float32, "transformer": weight_dtype(dtype)}.get(name, dtype))
+
+
+class ToyReward:
+    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts, metadata=None):
+        return toy_reward(images, prompts).to(self.device)
+
+
+class ToySoftReward(ToyReward):
+    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
+
+    def __call__(self, images, prompts, metadata=None):
+        return toy_soft_reward(images, prompts).to(self.device)
+
+
+class JpegCompressibility:
+    """Minus the JPEG size in kB at quality 95 (compressibility): a simple, model-free reward."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, images, prompts, metadata=None):
+        sizes = []
+        for im in pil_images(images):
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=95)
+            sizes.append(-buf.tell() / 1000)
+        return torch.tensor(sizes, dtype=torch.float32, device=self.device)
+
+
+CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large-patch14"
+
+
+class _CLIPSimilarity:
+    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
+
+    divisor = 1.0
+
+    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
+        from transformers import CLIPProcessor
+        processor = CLIPProcessor.from_pretrained(processor_id or model_id)
+        self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
+        self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        from transformers import CLIPModel
+        return CLIPModel.from_pretrained(model_id, dtype=dtype)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return clip_preprocess(images, self.image_config)
+
+    @torch.no_grad()
+    def cosine(self, images, prompts) -> torch.Tensor:
+        """cos(image embedding, text embedding) of each pair, (N,) float32 on the scorer's device."""
+        pixels = self.preprocess(images.to(self.device)).to(self.dtype)
+        text = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                              return_tensors="pt").to(self.device)
+        # transformers 4 returns the projected embedding; 5, an output object holding it as pooler_output
+        img, txt = self.model.get_image_features(pixel_values=pixels), self.model.get_text_features(**text)
+        img, txt = (e if isinstance(e, torch.Tensor) else e.pooler_output for e in (img, txt))
+        return F.cosine_similarity(img.float(), txt.float(), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        return self.model.logit_scale.float().exp() * self.cosine(images, prompts) / self.divisor
+
+
+class PickScore(_CLIPSimilarity):
+    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
+    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
+
+    divisor = 26.0
+
+    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
+        super().__init__(model_id, processor_id, device, dtype)
+
+
+class CLIPScore(_CLIPSimilarity):
+    """CLIP ViT-L/14, 100 cos / 30: the official GRPO trainers' clipscore (not Hessel et al.'s 2.5 max(cos, 0))."""
+
+    divisor = 30.0
+
+    def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
+        super().__init__(model_id, None, device, dtype)
+
+
+class HPSv2(_CLIPSimilarity):
+    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
+    scale (typical values 0.2-0.35). Its open_clip checkpoint runs as a transformers CLIPModel (openclip_model: the
+    open_clip package needs torchvision) with CLIP-H's config, tokenizer and image statistics (processor_id). The
+    images are preprocessed as the hpsv2 package does: the longer side resized to 224, black padding to a square,
+    normalised (resize_max_size; the package resizes the 8-bit PIL image, here the float images are resized)."""
+
+    quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
+
+    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
+        self.filename = filename
+        super().__init__(model_id, processor_id, device, dtype)
+
+    def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
+        return openclip_model(hub_file(model_id, self.filename), processor_id, self.quick_gelu, dtype)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        return normalise(resize_max_size(images, self.image_config["crop_size"]["height"]), self.image_config)
+
+    def __call__(self, images, prompts, metadata=None):
+        return self.cosine(images, prompts)
+
+
+class CLIPScoreH(HPSv2):
+    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
+    scale, the papers' CLIP reward (README, Rewards; typical values 0.3-0.4; this is the 224 px checkpoint, one
+    published script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
+    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
+    images, as HPSv2's)."""
+
+    quick_gelu = True
+    preprocess = _CLIPSimilarity.preprocess
+
+    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
+                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
+        super().__init__(model_id, filename, processor_id, device, dtype)
+        side = self.image_config["crop_size"]["height"]
+        self.image_config["size"] = {"height": side, "width": side}
+
+
+class Aesthetic:
+    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
+    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
+
+    def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
+                 clip_id=CLIP_L, device="cpu", dtype=torch.float32):
+        from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+        self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
+        self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
+        self.head = aesthetic_head(hub_file(model_id, filename), self.clip.config.projection_dim)
+        self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
+        self.device, self.dtype = torch.device(device), dtype
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        pixels = clip_preprocess(images.to(self.device), self.image_config).to(self.dtype)
+        embedding = self.clip(pixel_values=pixels).image_embeds.float()
+        return self.head(embedding / embedding.norm(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
+    if len(a) < len(b):
+        a, b = b, a
+    row = list(range(len(b) + 1))  # row[j]: distance between the prefix of a read so far and b[:j]
+    for i, ca in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (ca != cb))
+    return row[-1]
+
+
+def ocr_reward(recognised: str, prompt: str) -> float:
+    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target: the prompt's text
+    after its first double quote, up to the next one if any, else the whole prompt. Both are lower-cased without any
+    whitespace (the lines read come newline-separated). d = 0 when the target occurs in the recognised text, else
+    their edit distance capped at len(target). An empty target scores 1 (the official code divides by 0)."""
+    target = prompt.split('"')[1] if '"' in prompt else prompt
+    target, text = ("".join(s.split()).lower() for s in (target, recognised))
+    if target in text:
+        return 1.0
+    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
+
+
+class OCRScore:
+    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
+    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
+    official PaddleOCR, reading greedily up to max_new_tokens (got_ocr_read)."""
+
+    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
+                 max_new_tokens: int = 128):
+        from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
+        self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
+        self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
+        self.model = self.model.eval().requires_grad_(False).to(device)
+        self.device, self.max_new_tokens, self.last_texts = torch.device(device), max_new_tokens, []
+
+    @torch.no_grad()
+    def recognise(self, images: torch.Tensor) -> list[str]:
+        """The text read in each image (N,3,H,W) in [0, 1]."""
+        return got_ocr_read(self.processor, self.model, images, self.max_new_tokens)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
+        self.last_texts = self.recognise(images)
+        scores = [ocr_reward(text, prompt) for text, prompt in zip(self.last_texts, prompts, strict=True)]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+class ImageRewardScore:
+    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
+    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
+    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
+
+    def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
+        try:
+            import ImageReward
+        except ImportError as e:
+            raise UsageError(f"imagereward needs the image-reward package and transformers<4.56 ({e}); serve it from "
+                             f"an environment of its own (README, Rewards) and pass --reward "
+                             f"remote:http://HOST:PORT/imagereward") from None
+        self.model, self.device = ImageReward.load(model_id, device=str(device)), device
+
+    @torch.no_grad()
+    def __call__(self, images, prompts, metadata=None):
+        scores = [float(self.model.score(prompt, im)) for prompt, im in zip(prompts, pil_images(images))]
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+
+REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
+           "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
+           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
+
+
+def short_reward_name(name: str) -> str:
+    """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
+    return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
+
+
+def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
+    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
+    return WeightedReward(parse_reward_spec(spec), device, norm)
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -2699,9 +2672,7 @@ def prompt_file(name: str, revision: str, source: tuple) -> str:
     return str(cached)
 
 
-# ==============================================================================================================
-# Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit
-# ==============================================================================================================
+# ---- Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit ----
 TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.25, 1.0),
               "yellow": (1.0, 1.0, 0.0), "white": (1.0, 1.0, 1.0)}
 TOY_SHAPES = ("circle", "square", "triangle", "cross")
@@ -2894,9 +2865,7 @@ class ToyAdapter(FluxFamilyAdapter):
         FluxLoraLoaderMixin.save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-# ==============================================================================================================
-# Appendix B. Offline pipelines: the real classes with random weights
-# ==============================================================================================================
+# ---- Appendix B. Offline pipelines: the real classes with random weights ----
 # --model-path random / random:N builds the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from
 # assets/architectures/<family>/, laid out as their hub repositories without weights; its tokenizers know a few words
 # and spell the rest in characters (prompts are padded to the maximum length, so sequence lengths are the real ones).
