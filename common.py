@@ -830,24 +830,26 @@ def check_model(name: str, path: str | None, reward: str | None = None):
 
 
 class TrainingLoop:
-    """What a trainer's loop does around its method: the clock, evaluations, the log, checkpoints (README, Outputs and
-    metrics). It loads --resume's checkpoint into params, optimizer, EMA, the StepGuard's loss scale and `extra_state`
-    (name -> tensor or list of tensors: the method's own), and saves them alike.
+    """What a trainer's loop does around its method: the clock, evaluations, the log, checkpoints, the work counts and
+    the signal checks (README, Outputs and metrics). It loads --resume's checkpoint into params, optimizer, EMA, the
+    guard's loss scale and `extra_state` (name -> tensor or list of tensors: the method's own), and saves them alike.
 
         for it in range(run.start, args.iterations + 1):
             metrics = loop.begin(it)        # None: the last line is logged
             if metrics is None:
                 break
-            ...                             # the method: rollout, rewards, update, metrics.update(...)
+            for i in loop.each(range(0, N, mb)):   # the method: rollout, rewards, update, metrics.update(...)
+                ...
             loop.end(metrics)
         return loop.finish()
     """
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
-                 eval_prompts: list[dict], reward_fn, guard: StepGuard, extra_state: dict | None = None):
+                 eval_prompts: list[dict], reward_fn, guard: StepGuard | None = None, extra_state: dict | None = None):
         self.args, self.run, self.rt, self.adapter, self.params = args, run, rt, adapter, params
-        self.optimizer, self.ema, self.scaler, self.extra_state = optimizer, ema, guard.scaler, extra_state
+        self.guard = guard or StepGuard.last or StepGuard(args.max_bad_steps, rt.device, rt.dtype == torch.float16)
+        self.optimizer, self.ema, self.scaler, self.extra_state = optimizer, ema, self.guard.scaler, extra_state
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
         elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state, self.scaler) \
             if run.checkpoint else 0.0
@@ -869,10 +871,25 @@ class TrainingLoop:
                                self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state,
                                self.scaler)
 
+    def each(self, items, count: str | None = None):
+        """The items of a loop of the rollout or update, each after a check for SIGTERM / SIGINT on any rank: it stops
+        the run with the iteration's starting state saved, or, once the update has stepped, at the iteration's end.
+        With `count`, the transformer rows the loop ran without grad are logged under that key (g2rpo's nfe_anchor)."""
+        before = work_snapshot(self.adapter, self.reward_fn, self.guard)
+        for item in items:
+            self.stop_if_signalled(self.it)
+            yield item
+        if count:
+            self.metrics[count] = work_done(self.adapter, self.reward_fn, before, self.guard)["nfe_fwd"]
+
+    def work(self) -> dict:
+        """The work of the iteration so far, evaluation left out: nfe_fwd, nfe_fwd_bwd, decodes, reward_calls, ..."""
+        return work_done(self.adapter, self.reward_fn, self.work_before, self.guard)
+
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (none before the
-        run's first optimizer step) and stop. Called at each iteration's start, in the rollout and before the update."""
-        signum = signalled(self.rt.device)
+        run's first optimizer step) and stop; once the iteration has stepped, nothing (its end checks again)."""
+        signum = 0 if self.dirty else signalled(self.rt.device)
         if not signum:
             return
         name, code = signal.Signals(signum).name, 128 + signum
@@ -927,11 +944,12 @@ class TrainingLoop:
         """Starts iteration `it` (a signal stops, an evaluation when due): its metrics line, or None once the last,
         (--iterations or --time-budget reached) is logged."""
         a = self.args
-        self.stop_if_signalled(it)
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
+        self.stop_if_signalled(it)
         last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
         if a.eval_every and (it % a.eval_every == 0 or last):
             self.metrics.update(self.evaluate(it))
+        self.work_before = work_snapshot(self.adapter, self.reward_fn, self.guard)
         if not last:
             return self.metrics
         if self.rt.distributed and not a.fsdp:

@@ -1,59 +1,31 @@
-"""Flow-GRPO (arXiv 2505.05470): online RL for flow-matching models. The deterministic ODE sampler is
-replaced by an SDE with the same marginals, so every denoising step is a Gaussian policy with a tractable
-log-prob; GRPO then trains on whole trajectories with per-step PPO-clipped ratios, group-relative
-advantages and a KL penalty to the pre-trained model.
+"""Flow-GRPO (arXiv 2505.05470): online RL for flow-matching models. The deterministic ODE sampler is replaced by an
+SDE with the same marginals, so every denoising step is a Gaussian policy with a tractable log-prob; GRPO then trains
+on whole trajectories with per-step PPO-clipped ratios, group-relative advantages and a KL penalty to the pre-trained
+model. The official code's speed recipes are modes of it: Flow-GRPO-Fast (`--sde-window`, the SDE and the training on
+a few steps) and Coefficients-Preserving Sampling (`--sde-type cps`). It is the baseline the other trainers copy: the
+blocks marked `# >>> shared: NAME` are theirs too (README, Fork a method).
 
-This is the baseline the other trainers are copies of; it uses common.sde_step for the step math.
-
-Simplifications / readings (vs the paper and its official code):
-  1. Each rank owns whole groups (all G samples of its prompts): the advantage's group mean needs no
-     gather. The std is the group's own (`--no-global-std`) or that of all rewards of the iteration,
-     gathered across ranks (`--global-std`, the official default); a population std (np.std), as the
-     official code computes it.
-  2. The KL is the exact KL between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
-     like the log-prob: mean (mu_theta - mu_ref)^2 / (2 std^2) with std = g sqrt(h). The official code divides
-     by 2 g^2 (no h), which only rescales beta per step; SD3's beta default is scaled down accordingly.
-  3. The update shuffles whole rollout micro-batches, not single samples: a training micro-batch then
-     holds exactly the samples it was generated with, so the first update is bitwise on-policy (ratio 1).
-  4. Samples with zero advantage are kept (the SD3 scripts drop them); their loss is zero anyway.
-  5. `--updates-per-rollout` optimizer steps per iteration (official: 2, via gradient accumulation).
-  6. At full scale, as the official code: SD3.5 computes under fp16 autocast over float32 transformer weights
-     with loss scaling (`--dtype fp16`), FLUX in bf16; SD3's T5 prompt has 128 tokens (the pipeline's default
-     is 256); the EMA's decay warm-up counts optimizer steps (common.EMA).
-  7. The EMA updates once per optimizer step. The official SD3 and FLUX scripts call its step once per
-     training minibatch with the optimizer-step count, so when k minibatches accumulate into one optimizer
-     step, each EMA update is applied k times to the same weights: an effective decay d^k.
-  8. Flow-GRPO-Fast, the official code's speed recipe, is a mode of this trainer: `--sde-window W` runs the SDE on
-     W consecutive steps only, the exact Euler step on the rest, and stores and trains only the window's W steps
-     (their log-probs computed once, in the rollout). Each rollout micro-batch (one call of the official
-     pipeline) draws its window's start uniformly in [LO, HI - W] (`--sde-window-range`), from the rank's seeded
-     generator rather than Python's `random` (the official code draws once per pipeline call on each rank), so
-     runs repeat and a resume is bitwise. HI <= T - 1 keeps the last step, whose density is too sharp to train, an
-     ODE step: the official configs' ranges keep it out, but the official Fast code does not check it. Here a range
-     that reaches it is refused. `--timestep-fraction` is unused then (the official Fast scripts do not read it).
-  9. `--sde-type cps` takes Coefficients-Preserving Sampling's step (common.cps_step) with its official log-prob,
-     -mean (x' - mu)^2: the Gaussian's without its constants and without 1 / (2 std^2). The ratio then has the
-     official scale, so `--clip-range 1e-5` of the official CPS configs means what it means there (a Gaussian
-     log-ratio is this one divided by 2 std^2, tested). Its KL stays the exact one (reading 2), as the official
-     code's. With `--guidance-scale 1` SD3 runs without CFG in rollout and update alike (one conditional forward,
-     no unconditional branch), the official Fast configs' no-CFG training.
-
-Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
-name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
-(README, Toy recipes).
+Simplifications / readings (vs the paper and the official code), each detailed where it is implemented:
+  1. group_advantages: a population std (np.std, as the official code), of all the iteration's rewards or the group's.
+  2. ref_mean: the KL is the exact one between the two step Gaussians, element-averaged (the official code's differs
+     by a factor per step, so SD3's beta is scaled down).
+  3. The update shuffles whole rollout micro-batches, so the first update is bitwise on-policy (ratio 1).
+  4. Samples with zero advantage are kept (the SD3 scripts drop them; their loss is zero anyway).
+  5. --updates-per-rollout optimizer steps per iteration (official: 2, by gradient accumulation); the EMA steps once per
+     optimizer step (the official scripts step it per minibatch with the step count: an effective decay d^k).
+  6. sde_window: Flow-GRPO-Fast's window is drawn per rollout micro-batch from the rank's seeded generator.
+  7. --sde-type cps takes the official CPS log-prob, -mean (x' - mu)^2, so a clip range means there what it means in
+     the official CPS configs (1e-5): its log-ratio is 2 std^2 times the Gaussian's (common.cps_step).
 
 Run:
-  python flow_grpo.py                                   # toy model, CPU, a few minutes
-  python flow_grpo.py --model sd3 --reward pickscore    # one GPU
-  torchrun --nproc_per_node=8 flow_grpo.py --model flux --reward pickscore
-  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 flow_grpo.py --model sd3 \\
-      --prompts-per-step 64
-  torchrun --nproc_per_node=8 flow_grpo.py --model sd3 --lora-rank 0 --fsdp --lr 1e-5   # full fine-tuning, FSDP2
+  python flow_grpo.py                                    # toy model, CPU, a few minutes
+  torchrun --nproc_per_node=8 flow_grpo.py --model flux  # full scale, the paper's settings (README, Recipes)
   python flow_grpo.py --sde-window 3 --sde-type cps --noise-level 0.8 --clip-range 1e-5 --beta 0 --lr 1e-4  # Fast, toy
 
-Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
-rho = ratio; A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps;
-N = samples per rank; mb = micro_batch; k0 = the first step of a rollout micro-batch's SDE window.
+Tags such as [Flow-GRPO Eq. 9] cite equations where they were checked (arXiv v5), else the part of the paper.
+Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob; rho = ratio;
+A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps; N = samples per rank;
+mb = micro_batch; k0 = the first step of a rollout micro-batch's SDE window.
 """
 from __future__ import annotations
 
@@ -74,6 +46,32 @@ from common import field
 # ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
+    # --- Flow-GRPO ---
+    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(16, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(8, "samples per prompt (G)", at_least=2, at_most=100_000)
+    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
+    lr: float = field(3e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t)); with --sde-type cps, a in the "
+                                    "std s sin(a pi / 2), in (0, 1]", at_least=1e-12)
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
+                                     at_least=0, at_most=1)
+    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
+    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]", at_least=1e-12)
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy", at_least=0)
+    global_std: bool = field(True, "advantages divided by the std of all the iteration's rewards (else the group's)")
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
+                                    "per-reward (each reward's advantage, then their weighted sum)",
+                             choices=common.REWARD_NORMS)
+    sde_type: str = field("flow", "the noisy step: flow (Flow-GRPO's SDE) or cps (Coefficients-Preserving Sampling)",
+                          choices=("flow", "cps"))
+    sde_window: int = field(0, "Flow-GRPO-Fast: the SDE on W consecutive steps only, drawn per rollout micro-batch, "
+                               "the ODE on the rest, and exactly those W steps trained; 0 = the SDE on every step",
+                            at_least=0, at_most=1000)
+    sde_window_range: str | None = field(None, "LO,HI: each window lies in steps LO to HI - 1, its start drawn in "
+                                               "[LO, HI - W]; HI <= T - 1 (default: 0,T//2)")
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
@@ -121,39 +119,14 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
-    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # common.py also reads two fields that each method defines above this block, with its own toy defaults: keep
     # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
-    # --- Flow-GRPO ---
-    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
-    prompts_per_step: int = field(16, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
-    group_size: int = field(8, "samples per prompt (G)", at_least=2, at_most=100_000)
-    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
-    lr: float = field(3e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
-    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t)); with --sde-type cps, a in the "
-                                    "std s sin(a pi / 2), in (0, 1]", at_least=1e-12)
-    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
-                                     at_least=0, at_most=1)
-    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
-    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
-    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]", at_least=1e-12)
-    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy", at_least=0)
-    global_std: bool = field(True, "advantages divided by the std of all the iteration's rewards (else the group's)")
-    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
-                                    "per-reward (each reward's advantage, then their weighted sum)",
-                             choices=common.REWARD_NORMS)
-    sde_type: str = field("flow", "the noisy step: flow (Flow-GRPO's SDE) or cps (Coefficients-Preserving Sampling)",
-                          choices=("flow", "cps"))
-    sde_window: int = field(0, "Flow-GRPO-Fast: the SDE on W consecutive steps only, drawn per rollout micro-batch, "
-                               "the ODE on the rest, and exactly those W steps trained; 0 = the SDE on every step",
-                            at_least=0, at_most=1000)
-    sde_window_range: str | None = field(None, "LO,HI: each window lies in steps LO to HI - 1, its start drawn in "
-                                               "[LO, HI - W]; HI <= T - 1 (default: 0,T//2)")
 
 
 # Full scale: what differs from the toy defaults above, from [Flow-GRPO App. B.3] and the official configs (beta:
-# reading 2; fewer sampling than evaluation steps: [Flow-GRPO §4, Denoising Reduction]).
+# reading 2; fewer sampling than evaluation steps: [Flow-GRPO §4, Denoising Reduction]). As the official code, SD3.5
+# computes in fp16 (--dtype's GPU default) with a 128-token T5 prompt (the pipeline's default is 256).
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -199,8 +172,8 @@ MODEL_DEFAULTS = {
 # ---- 1. Method functions (the step math is common.sde_step or common.cps_step; the loop below is the method) ----
 def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
     """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,).
-    The std is a population one (np.std, as the official code), of all the iteration's rewards on all ranks
-    (global_std) or of the group's own."""
+    Reading 1: the std is a population one (np.std, as the official code), of all the iteration's rewards on all ranks
+    (global_std, the official default) or of the group's own. Each rank owns whole groups: the mean needs no gather."""
     grouped = rearrange(rewards, "(b g) -> b g", g=G)
     std = common.all_gather_cat(rewards).std(correction=0) if global_std else grouped.std(1, correction=0, keepdim=True)
     return rearrange((grouped - grouped.mean(1, keepdim=True)) / (std + 1e-4), "b g -> (b g)")
@@ -212,9 +185,28 @@ def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
 
 
+def step_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, t, s,
+              args) -> tuple[torch.Tensor, dict]:
+    """[Flow-GRPO Eq. 5] The loss of one denoising step t -> s of a micro-batch, from its log-probs under theta and
+    theta_old, advantages and KL to the reference (n,) each: the mean of the clipped policy-gradient term plus beta KL,
+    and what the update logs (`stats.add`; the `ratio-log` block reads ratio_dev, clip_frac, kl and approx_kl). The
+    shared update calls it for every trained step: a method that changes only the loss changes this function."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg = clipped_objective(ratio, advantages, args.clip_range)
+    loss = (pg + args.beta * kl).mean()
+    return loss, dict(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                      clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                      approx_kl=0.5 * ((log_prob - old_log_prob) ** 2).mean())
+
+
 def sde_window(spec: str | None, W: int, T: int) -> tuple[int, int]:
     """[Flow-GRPO-Fast] --sde-window-range 'LO,HI' (None: 0,T//2) -> (LO, HI - W), the window starts' range, after
-    checking that W fits and that the last step stays an ODE step; a UsageError names the flag."""
+    checking that W fits and that the last step stays an ODE step; a UsageError names the flag. The rollout runs the
+    SDE on the W steps from a start drawn in that range, the exact Euler step on the rest, and stores and trains only
+    the window (its log-probs computed once, in the rollout). Reading 6: the start is drawn per rollout micro-batch (one
+    call of the official pipeline) from the rank's seeded generator, not Python's `random` once per call on each rank,
+    so a resume is bitwise. HI <= T - 1 keeps the last step, too sharp to train, an ODE step: the official configs'
+    ranges do, the official code does not check it. `--timestep-fraction` is unused then, as in the official code."""
     try:
         lo, hi = (int(x) for x in (spec or f"0,{T // 2}").split(","))
     except ValueError:
@@ -291,7 +283,7 @@ def main(args: Args) -> dict:
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
     # the policy's noisy step from t to s, (next_x, log_prob, mean, std), and its (mean, std) alone
-    if cps:                                                  # [CPS] std = s sin(a pi / 2), log-prob: reading 9
+    if cps:                                                  # [CPS] std = s sin(a pi / 2), log-prob: reading 7
         step = functools.partial(common.cps_step, noise_level=args.noise_level)
         step_mean_std = functools.partial(common.cps_mean_std, noise_level=args.noise_level)
     else:                                                    # [Flow-GRPO Eq. 9]
@@ -299,7 +291,10 @@ def main(args: Args) -> dict:
         step_mean_std = functools.partial(common.sde_mean_std, noise_level=args.noise_level, t_cap=t_cap)
 
     def ref_mean(x, t, s, cond):
-        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
+        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy. Reading 2: the KL of
+        the update is the exact one between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
+        like the log-prob, mean (mu - mu_ref)^2 / (2 std^2) with std = g sqrt(h); the official code divides by 2 g^2
+        (no h), which only rescales beta per step (SD3's beta default is scaled down accordingly)."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return step_mean_std(x, v, t, s)[0]
@@ -314,7 +309,6 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
@@ -326,8 +320,7 @@ def main(args: Args) -> dict:
         trained = []                                         # per micro-batch: the grid steps of its stored ones
         transformer.eval()
         with torch.no_grad():
-            for i in range(0, N, mb):
-                loop.stop_if_signalled(it)                   # a signal drops the rollout
+            for i in loop.each(range(0, N, mb)):            # a signal stops the run here (README, Fork a method)
                 c = common.cond_select(cond, slice(i, i + mb))
                 # [Flow-GRPO-Fast] the window: W steps from k0, drawn anew for each rollout micro-batch
                 k0 = int(torch.randint(starts[0], starts[1] + 1, (1,), generator=gen)) if args.sde_window else 0
@@ -362,32 +355,27 @@ def main(args: Args) -> dict:
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         # >>> shared: update
-        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
+        order = torch.randperm(N // mb, generator=gen)       # shuffle whole micro-batches: the first is on-policy
         stats = common.UpdateStats()
-        for u in range(args.updates_per_rollout):
-            n_step = it * args.updates_per_rollout + u + 1     # this optimizer step's number in the run, from 1
-            chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for m in chunk:
+        for u in loop.each(range(args.updates_per_rollout)):  # a signal before the first optimizer step stops here
+            n_step = it * args.updates_per_rollout + u + 1    # this optimizer step's number in the run, from 1
+            minibatch = order[u * per_update:(u + 1) * per_update].tolist()  # the step's rollout micro-batches
+            for m in minibatch:
                 idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for j, k in enumerate(trained[m]):          # the j-th stored step is step k of the grid
-                    sync = m == chunk[-1] and j == len(trained[m]) - 1  # the update's last backward all-reduces
+                    sync = m == minibatch[-1] and j == len(trained[m]) - 1  # the step's last backward all-reduces
                     z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
                         _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
-                        ratio = torch.exp(lp - log_probs[idx, j])
-                        pg = clipped_objective(ratio, A, args.clip_range)
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
-                            if args.beta > 0 else torch.zeros_like(pg)
-                        loss = (pg + args.beta * kl).mean()
-                        guard.backward(loss / (len(chunk) * len(trained[m])))  # one step's activations alive
-                    stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
-                              clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
-                              approx_kl=0.5 * ((lp - log_probs[idx, j]) ** 2).mean())
+                            if args.beta > 0 else torch.zeros_like(lp)
+                        loss, logged = step_loss(lp, log_probs[idx, j], A, kl, sigmas[k], sigmas[k + 1], args)
+                        guard.backward(loss / (len(minibatch) * len(trained[m])))  # one step's activations alive
+                    stats.add(**logged)
             # >>> shared: step
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
@@ -407,7 +395,7 @@ def main(args: Args) -> dict:
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before, guard),
+            **loop.work(),                                   # the iteration's work: nfe_fwd, reward_calls, ...
         })
         # <<< shared: log
         # >>> shared: ratio-log

@@ -1,74 +1,32 @@
-"""G2RPO (arXiv 2510.01982, "Fine-Grained GRPO for Precise Preference Alignment in Flow Models"): credit
-assignment to single denoising steps. All G branches of a prompt share one deterministic ODE trajectory (the
-anchor) and differ only by the noise of ONE SDE step at step k (Singular Stochastic Sampling), so a reward
-difference between branches is caused by that step's noise alone. Each branch is then finished by the ODE at
-several step strides lambda (granularities) and scored at each; the per-(k, lambda) group z-scores are summed
-over lambda (Multi-Granularity Advantage Integration, MGAI). The policy is the Flow-GRPO step Gaussian of that
-single step [Flow-GRPO Eq. 9]; one PPO-clipped optimizer step per optimised k, no KL.
+"""G2RPO (arXiv 2510.01982, "Fine-Grained GRPO for Precise Preference Alignment in Flow Models"): credit assignment
+to single denoising steps. All G branches of a prompt share one deterministic ODE trajectory (the anchor) and differ
+only by the noise of ONE SDE step at step k (Singular Stochastic Sampling), so a reward difference between branches is
+caused by that step's noise alone. Each branch is then finished by the ODE at several step strides lambda
+(granularities) and scored at each; the per-(k, lambda) group z-scores are summed over lambda (Multi-Granularity
+Advantage Integration, MGAI). The policy is Flow-GRPO's step Gaussian [Flow-GRPO Eq. 9] of that single step; one
+PPO-clipped optimizer step per branched k, no KL.
 
-Differences from flow_grpo.py:
-  1. Rollout: one initial noise per prompt, an ODE anchor over the T-step grid, and for each k in M one SDE step
-     per branch from the anchor's z_k (common.sde_step, a = noise_level); every other step is ODE. Flow-GRPO
-     samples G independent SDE trajectories instead.
-  2. Each branch is continued by the ODE at every stride in Lambda and scored: rewards (B, |M|, G, L), not (B, G).
-  3. Advantages: z-score over the G branches per (prompt, k, lambda, reward model) with the group's own unbiased
-     std + 1e-8 (no global std), summed over lambda and reward models, clamped to +-adv_clip.
-  4. Update: one optimizer step per k in M (|M| per iteration) instead of --updates-per-rollout; a step's loss
-     covers only the branches of that k, and one forward per prompt serves all G branches (they share z_k).
-  5. No KL by default (--beta 0); the training grid is u = linspace(1, 0, T+1) with a static shift (--grid-shift).
-  6. Flags: --granularities, --sde-steps, --grid-shift added; --timestep-fraction, --updates-per-rollout,
-     --global-std removed. Logs each stage's function evaluations and the method's diagnostics.
+Differences from flow_grpo.py: the rollout (an anchor per prompt, G one-step branches per k, ODE continuations at each
+stride: rewards (B, |M|, G, L)); the advantages (MGAI); the update (one optimizer step per k, one forward per prompt
+for its G branches); the training grid (a static shift, --grid-shift); no KL by default.
 
-Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO, on ambiguous points):
-  1. Lambda: a flag. Default {1, 2, 3}, as the paper's headline rows (Table 1 = the {1,2,3} row of the Lambda
-     ablation); the released scripts use {1, 2}.
-  2. M = the |M| highest-noise steps k = 0 .. |M|-1 (official indices 0..7 for T = 16; the paper counts the same
-     steps down from T). Default |M| = T/2 (--sde-steps).
-  3. Continuation grid for (k, lambda): t[0..k+1] + t[k+2::lambda] (official). If its last point has t > 0,
-     the image is the x0-jump x0_hat = z - t v from there, which completes the Euler steps to t = 0. The
-     official loop returns the x0-prediction of the point before instead, one evaluation fewer (4 of 144 per
-     branch at T = 16, Lambda = {1, 2}).
-  4. Branch step: the mean mu(z_k, v_theta(z_k)) is the same for every branch, and the anchor has already
-     evaluated v_theta(z_k), so branching costs no transformer evaluation (the official rollout runs the same
-     batch-1 forward G times). The update likewise runs one forward per prompt, like the official batch-1 one.
-  5. Every stride takes the same step t_{k+1} -> t_{k+2} and evaluates the same v_theta(z_{k+2}); we make those
-     two evaluations once per branch, where the official code repeats them: 151 instead of 183 continuation
-     evaluations per branch at T = 16, Lambda = {1, 2, 3}, 31 instead of 47 on the toy's T = 8.
-  6. Grid: static shift 3 on u = linspace(1, 0, T+1) for flux and sd3, as the official code does for FLUX
-     (no dynamic shift); shift 1 on the toy, its adapter's own grid. Evaluation keeps the model's own sampler,
-     as the paper evaluates with the stock FLUX pipeline.
-  7. Rewards at full scale: HPS v2.1 + CLIP (`hpsv2,clipscore-h`), the paper's HPS&CLIP rows [G2RPO, Table 1],
-     on which its Lambda and step-count ablations run; `--reward hpsv2` is its HPS-only setting. The CLIP is
-     DFN5B CLIP-H, scored as cos(image, text) (official code and README; we could not check the paper's text
-     for it). SD3.5 gets the same rewards. Each reward is z-scored on its own and the advantages are summed with
-     the --reward weights (official: weight 1 each): --reward-norm per-reward, the default here;
-     --reward-norm sum z-scores their weighted sum instead.
-  8. Updates run k = 0, 1, ... in order after all rollouts of the iteration, so only the first update of an
-     iteration is exactly on-policy (ratio 1); a step's loss is the mean over all branches of all prompts of
-     the rank (official: one prompt per GPU), and DDP averages the ranks.
-  9. FLUX at full scale is the paper's full fine-tuning: all 12B parameters at lr 2e-6, sharded with FSDP2
-     over float32 master weights (--fsdp, so it needs torchrun with 2+ GPUs; 8 per node in practice).
-     `--lora-rank 64 --lora-alpha 128 --no-fsdp --lr 1e-4` is the LoRA alternative on fewer GPUs (lr our
-     pick). SD3.5 is not in the paper: LoRA there, as Flow-GRPO trains it.
- 10. The official code feeds the transformer timesteps rounded to 1/1000; we pass t as is. The anchor's own
-     image is scored for logging only (anchor_reward), as in the official code.
- 11. --micro-batch counts rows per forward: prompts in the anchor and in the update (the same chunks, so the
-     first ratio of an iteration is exactly 1), branches in the continuations.
+Simplifications / readings (the paper and its official code, bcmi/Granular-GRPO), each detailed where implemented:
+  1. parse_granularities: Lambda {1, 2, 3} by default, the paper's headline rows (the released scripts use {1, 2}).
+  2. M = the |M| highest-noise steps k = 0 .. |M|-1, |M| = T/2 by default (--sde-steps), as the official indices.
+  3. continuation_grid: the official grid; a last point with t > 0 is finished by the x0-jump (one evaluation more).
+  4. singular_sde_step: the branches share the anchor's v_theta(z_k), so branching costs no evaluation.
+  5. continue_ode: the first step after a branch, the same at every stride, is evaluated once per branch.
+  6. A static shift on u = linspace(1, 0, T+1) (3 for flux and sd3, as the official FLUX code; 1 on the toy).
+  7. Full-scale rewards HPS v2.1 + DFN5B CLIP-H (MODEL_DEFAULTS), z-scored one by one (--reward-norm per-reward).
+  8. The update steps k = 0, 1, ... after all rollouts: only its first step is exactly on-policy.
+  9. FLUX trains all 12B parameters at lr 2e-6 with FSDP2, as the paper; SD3.5, not in the paper, a LoRA.
+ 10. The transformer sees t as is (the official code rounds it to 1/1000); the anchor's own image is only logged.
 
-Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
-name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
-(README, Toy recipes).
+Run: python g2rpo.py (toy, CPU); torchrun --nproc_per_node=8 g2rpo.py --model flux (the paper's HPS + CLIP run);
+python g2rpo.py --model flux --no-fsdp --lora-rank 64 --lora-alpha 128 --lr 1e-4 (one GPU, LoRA; lr our pick).
 
-Run:
-  python g2rpo.py                                       # toy model, CPU, a few minutes
-  torchrun --nproc_per_node=8 g2rpo.py --model flux     # the paper's HPS + CLIP run: full fine-tuning, FSDP2
-  python g2rpo.py --model flux --no-fsdp --lora-rank 64 --lora-alpha 128 --lr 1e-4   # one GPU, LoRA
-  torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 g2rpo.py --model flux
-
-Notation: t_k = sigmas[k] (t = 1 is noise); z_k = anchor[:, k]; z_{k+1}^i = branches[:, k, i];
-M = steps 0..n_sde-1 (n_sde = |M| = sde_steps); Lambda = strides (L of them); R_{k,lambda}^i = rewards[:, k, i, l];
-A_k^i = advantages[:, k, i]; a = eta = noise_level; l = log_prob; rho = ratio; G = group_size;
-B = prompts per rank; T = sample_steps; mb = micro_batch.
+Notation: as flow_grpo.py's; z_k = anchor[:, k]; z_{k+1}^i = branches[:, k, i]; M = steps 0..n_sde-1 (n_sde = |M| =
+sde_steps); Lambda = strides (L of them); R_{k,lambda}^i = rewards[:, k, i, l]; A_k^i = advantages[:, k, i].
 """
 from __future__ import annotations
 
@@ -88,6 +46,27 @@ from common import field
 # ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
+    # --- G2RPO ---
+    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(8, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(8, "branches per prompt and branched step k (G)", at_least=2, at_most=100_000)
+    micro_batch: int = field(256, "rows per forward pass: prompts in the anchor and the update, branches in the "
+                                  "continuations", at_least=1)
+    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(8, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
+    sde_steps: int | None = field(None, "|M|: the highest-noise steps k = 0..|M|-1 that branch and train "
+                                        "(default T/2)", at_least=1)
+    granularities: str = field("1,2,3", "strides Lambda of the ODE continuations: 1,2,3 (paper) or 1,2 (code)")
+    grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)",
+                              at_least=1e-12)
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
+    adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]",
+                            at_least=1e-12)
+    reward_norm: str = field("per-reward", "with several rewards: per-reward (each z-scored, then summed with the "
+                                           "weights, as G2RPO) or sum (the weighted sum z-scored)",
+                             choices=common.REWARD_NORMS)
+    beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none", at_least=0)
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
@@ -135,34 +114,16 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
-    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # common.py also reads two fields that each method defines above this block, with its own toy defaults: keep
     # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
-    # --- G2RPO ---
-    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
-    prompts_per_step: int = field(8, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
-    group_size: int = field(8, "branches per prompt and branched step k (G)", at_least=2, at_most=100_000)
-    micro_batch: int = field(256, "rows per forward pass: prompts in the anchor and the update, branches in the "
-                                  "continuations", at_least=1)
-    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
-    sample_steps: int = field(8, "denoising steps T of a training rollout", at_least=1, at_most=1000)
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
-    sde_steps: int | None = field(None, "|M|: the highest-noise steps k = 0..|M|-1 that branch and train "
-                                        "(default T/2)", at_least=1)
-    granularities: str = field("1,2,3", "strides Lambda of the ODE continuations: 1,2,3 (paper) or 1,2 (code)")
-    grid_shift: float = field(1.0, "static shift s of the training grid (u = linspace(1, 0, T+1) shifted)",
-                              at_least=1e-12)
-    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
-    adv_clip: float = field(5.0, "advantages (summed over strides) are clamped to [-adv_clip, adv_clip]",
-                            at_least=1e-12)
-    reward_norm: str = field("per-reward", "with several rewards: per-reward (each z-scored, then summed with the "
-                                           "weights, as G2RPO) or sum (the weighted sum z-scored)",
-                             choices=common.REWARD_NORMS)
-    beta: float = field(0.0, "weight of the KL to the reference (pre-trained) policy; G2RPO uses none", at_least=0)
 
 
 # Full scale: what differs from the toy defaults above, from the paper and its official scripts (FLUX: full
-# fine-tuning with FSDP2; SD3: LoRA; reading 9).
+# fine-tuning with FSDP2; SD3: LoRA; reading 9). Reading 7: HPS + CLIP are the paper's HPS&CLIP rows [G2RPO, Table 1],
+# on which its Lambda and step-count ablations run (`--reward hpsv2` is its HPS-only setting); the CLIP is DFN5B
+# CLIP-H, cos(image, text) (official code and README; the paper's text for it was not checked), each reward weighted 1
+# and z-scored on its own (--reward-norm sum z-scores their weighted sum instead). SD3.5 gets the same rewards.
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "hpsv2,clipscore-h",    # HPS + CLIP (reading 7)
@@ -205,7 +166,8 @@ MODEL_DEFAULTS = {
 
 # ---- 1. Method functions ----
 def parse_granularities(spec: str) -> list[int]:
-    """'1,2,3' -> [1, 2, 3]: the strides Lambda, distinct positive integers."""
+    """'1,2,3' -> [1, 2, 3]: the strides Lambda, distinct positive integers. Reading 1: the default {1, 2, 3} is the
+    paper's headline rows (Table 1 = the {1,2,3} row of the Lambda ablation); the released scripts use {1, 2}."""
     try:
         strides = [int(s) for s in spec.split(",")]
     except ValueError:
@@ -217,7 +179,10 @@ def parse_granularities(spec: str) -> list[int]:
 
 def continuation_grid(T: int, k: int, stride: int) -> list[int]:
     """Grid indices a branch visits after its SDE step k -> k+1 [G2RPO, MGAI]. The continuation grid is
-    t[0..k+1] + t[k+2::stride]: the ordinary step k+1 -> k+2, then every stride-th index up to T."""
+    t[0..k+1] + t[k+2::stride] (the official one): the ordinary step k+1 -> k+2, then every stride-th index up to T.
+    Reading 3: if its last point has t > 0, continue_ode finishes with the x0-jump from there; the official loop
+    returns the x0-prediction of the point before instead, one evaluation fewer (4 of 144 per branch at T = 16,
+    Lambda = {1, 2})."""
     return [k + 1] + list(range(k + 2, T + 1, stride))
 
 
@@ -225,7 +190,9 @@ def singular_sde_step(z, v, t, s, group_size: int, noise_level: float, t_cap: fl
     """[G2RPO, Singular Stochastic Sampling] G branches from one shared latent per prompt: the SDE step
     [Flow-GRPO Eq. 9] from z_k with the same v_theta(z_k) for every branch, so the branches differ only by their
     noise. z, v: (P, ...); next_x (P, G, ...) is scored if given (training), else drawn with `generator`.
-    Returns next latents (P, G, ...), log-probs (P, G), the branches' shared mean (P, ...) and the std."""
+    Returns next latents (P, G, ...), log-probs (P, G), the branches' shared mean (P, ...) and the std. Reading 4:
+    the anchor has evaluated v_theta(z_k) already, so branching costs no transformer evaluation (the official
+    rollout runs the same batch-1 forward G times); the update likewise runs one forward per prompt."""
     nxt, log_prob, mean, std = common.sde_step(
         repeat(z, "p ... -> (p g) ...", g=group_size), repeat(v, "p ... -> (p g) ...", g=group_size), t, s,
         noise_level, t_cap, next_x=None if next_x is None else rearrange(next_x, "p g ... -> (p g) ..."),
@@ -238,7 +205,8 @@ def continue_ode(velocity, z: torch.Tensor, cond: dict, k: int, sigmas: torch.Te
     """[G2RPO, MGAI] The ODE continuations to t = 0 of branch latents z (R, ...) at t_{k+1}, one per stride:
     Euler steps over sigmas[continuation_grid(T, k, stride)], then, if the last point visited has t > 0, the
     x0-jump x0_hat = z - t v from there (which is the Euler step to t = 0). All strides take the same first
-    step t_{k+1} -> t_{k+2} and evaluate the same v(z_{k+2}), so those are computed once (reading 5).
+    step t_{k+1} -> t_{k+2} and evaluate the same v(z_{k+2}), so those are computed once (reading 5; the official
+    code repeats them: 151 instead of 183 evaluations per branch at T = 16, Lambda = {1, 2, 3}; 31, not 47, at T = 8).
     velocity(x, i, cond) is v_theta(x, t_i) for rows x with conditioning rows cond. Returns (R, L, ...) at t = 0,
     in the order of `strides`."""
     T = len(sigmas) - 1
@@ -259,15 +227,12 @@ def continue_ode(velocity, z: torch.Tensor, cond: dict, k: int, sigmas: torch.Te
     return torch.stack(ends, 1)
 
 
-def mgai_advantages(rewards: dict[str, torch.Tensor], weights: dict[str, float], adv_clip: float) -> torch.Tensor:
-    """[G2RPO, MGAI] rewards[name]: (B, |M|, G, L). Each (prompt, k, stride) is z-scored over its G branches with the
-    unbiased std + 1e-8 (GRPO's group advantage), then summed (not averaged) over the strides and, with their
-    weights, over the reward models; clamped to +-adv_clip. Returns A (B, |M|, G)."""
-    total = 0.0
-    for name, r in rewards.items():
-        z = (r - r.mean(2, keepdim=True)) / (r.std(2, keepdim=True) + 1e-8)
-        total = total + weights[name] * z.sum(-1)
-    return total.clamp(-adv_clip, adv_clip)
+def mgai_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """[G2RPO, MGAI] rewards (B, |M|, G, L) -> A (B, |M|, G): each (prompt, k, stride) z-scored over its G branches
+    with the unbiased std + 1e-8 (GRPO's group advantage), then summed, not averaged, over the strides. Several
+    reward models: WeightedReward.advantages sums theirs with the weights (or z-scores their weighted sum)."""
+    z = (rewards - rewards.mean(2, keepdim=True)) / (rewards.std(2, keepdim=True) + 1e-8)
+    return z.sum(-1)
 
 
 def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
@@ -285,12 +250,13 @@ def main(args: Args) -> dict:
     B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
     mb = args.micro_batch
     T = args.sample_steps
-    n_sde = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..n_sde-1 branch and train
+    n_sde = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..n_sde-1 branch and train (reading
+    # 2: the official indices 0..7 for T = 16; the paper counts the same steps down from T)
     if not 1 <= n_sde <= T:
         raise common.UsageError(f"--sde-steps {n_sde} must be between 1 and --sample-steps {T}")
     strides = parse_granularities(args.granularities)
     L = len(strides)
-    chunks = [slice(i, min(i + mb, B)) for i in range(0, B, mb)]  # prompt rows per forward, in rollout and update
+    micro_batches = [slice(i, min(i + mb, B)) for i in range(0, B, mb)]  # prompt rows per forward, rollout and update
     common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | steps T={T}, branched M=0..{n_sde - 1} | strides "
                   f"{strides} | images/rank {B * n_sde * G * L} | micro-batch {mb} | optimizer steps/iteration {n_sde}")
 
@@ -327,7 +293,6 @@ def main(args: Args) -> dict:
     loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn, guard)
     sigmas = common.uniform_sigmas(T, args.grid_shift)       # (T+1,) t_0 = 1 ... t_T = 0 (reading 6)
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
-    weights = reward_fn.weights                               # MGAI sums the reward models' advantages
 
     def ref_mean(x, t, s, cond):
         """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
@@ -350,7 +315,6 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: ODE anchor, singular SDE branches, multi-granularity ODE continuations (no grad) ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
@@ -361,11 +325,9 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             # [G2RPO, Singular Stochastic Sampling] one initial noise per prompt, shared by its G branches, and the
             # deterministic ODE anchor from it; keep z_k and v_theta(z_k) for every k in M
-            phase = common.work_snapshot(adapter, reward_fn, guard)  # a phase's work: work_done since its start
             anchor, velocities, finals = [], [], []          # (B, n_sde, ...), (B, n_sde, ...), (B, ...)
-            for rows in chunks:
-                loop.stop_if_signalled(it)                   # a signal drops the rollout
-                c = common.cond_select(cond, rows)
+            for rows in loop.each(micro_batches, count="nfe_anchor"):  # its forwards logged as nfe_anchor; a signal
+                c = common.cond_select(cond, rows)                     # stops the run here (README, Fork a method)
                 z = adapter.noise(rows.stop - rows.start, gen)
                 zs, vs = [], []
                 for k in range(T):
@@ -377,34 +339,30 @@ def main(args: Args) -> dict:
                 velocities.append(torch.stack(vs[:n_sde], 1))
                 finals.append(z)
             anchor, velocities, finals = torch.cat(anchor), torch.cat(velocities), torch.cat(finals)
-            nfe_anchor = common.work_done(adapter, reward_fn, phase, guard)["nfe_fwd"]
 
             # [G2RPO, Singular Stochastic Sampling] for each k in M, ONE SDE step per branch from the shared z_k; the
             # anchor's v_theta(z_k) gives the step mean, so branching needs no evaluation (reading 4)
             branches = torch.empty(B, n_sde, G, *anchor.shape[2:], device=anchor.device)  # (B, n_sde, G, ...) z_{k+1}^i
             log_probs = torch.empty(B, n_sde, G, device=anchor.device)                     # (B, n_sde, G) l_old
-            for rows in chunks:
+            for rows in micro_batches:
                 for k in range(n_sde):
                     branches[rows, k], log_probs[rows, k], _, _ = singular_sde_step(
                         anchor[rows, k], velocities[rows, k], sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap, gen)
 
             # [G2RPO, MGAI] finish every branch with the ODE at every stride (reading 5), one k at a time
             branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
-            phase = common.work_snapshot(adapter, reward_fn, guard)
             latents = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
-            for k in range(n_sde):
-                loop.stop_if_signalled(it)
+            for k in loop.each(range(n_sde), count="nfe_continuation"):
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
                 latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
-            nfe_continuation = common.work_done(adapter, reward_fn, phase, guard)["nfe_fwd"]
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----
         tic = time.time()
         flat = rearrange(latents, "b k g l ... -> (b k g l) ...")
         owners = [r for r in records for _ in range(n_sde * G * L)]  # the prompt (record) of each row of flat
-        parts = {name: [] for name in weights}
+        parts = {name: [] for name in reward_fn.weights}
         with torch.no_grad():
             for i in range(0, len(flat), mb):                  # decode and score in micro-batches; images are not kept
                 rows_i = owners[i:i + mb]
@@ -412,26 +370,24 @@ def main(args: Args) -> dict:
                                          rows_i)[1].items():
                     parts[name].append(r)
             anchor_rewards = torch.cat([reward_fn(adapter.decode(finals[rows]), texts[rows], records[rows])[0]
-                                        for rows in chunks])
+                                        for rows in micro_batches])  # logged, not trained on (reading 10)
         parts = {name: rearrange(torch.cat(r), "(b k g l) -> b k g l", k=n_sde, g=G, l=L) for name, r in parts.items()}
         rewards = reward_fn.total(parts)                                                # (B, n_sde, G, L)
-        if args.reward_norm == "per-reward":
-            advantages = mgai_advantages(parts, weights, args.adv_clip)                 # (B, n_sde, G)
-        else:
-            advantages = mgai_advantages({"sum": rewards}, {"sum": 1.0}, args.adv_clip)
+        advantages = reward_fn.advantages(parts, mgai_advantages).clamp(-args.adv_clip, args.adv_clip)  # (B, n_sde, G)
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: one optimizer step per k in M, PPO-clipped ratio of the single SDE step ----
-        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
         stats = common.UpdateStats()
-        for k in range(n_sde):
+        # reading 8: k = 0, 1, ... after all rollouts, so only the first step is exactly on-policy; a step's loss is
+        # the mean over all the rank's branches (official: one prompt per GPU), and DDP averages the ranks
+        for k in loop.each(range(n_sde)):                    # a signal before the first optimizer step stops here
             n_step = it * n_sde + k + 1                      # this optimizer step's number in the run, from 1
-            for rows in chunks:
+            for rows in micro_batches:
                 P = rows.stop - rows.start
                 c, z, A = common.cond_select(cond, rows), anchor[rows, k], advantages[rows, k]  # z_k: (P, ...)
-                with common.no_sync(net, rows != chunks[-1]):  # the step's last backward all-reduces
+                with common.no_sync(net, rows != micro_batches[-1]):  # the step's last backward all-reduces
                     v = adapter.velocity(net, z, sigmas[k], c)  # one forward per prompt: the G branches share z_k
                     _, lp, mu, std_k = singular_sde_step(z, v, sigmas[k], sigmas[k + 1], G, args.noise_level, t_cap,
                                                          next_x=branches[rows, k])     # (P, G) log-probs, mu (P, ...)
@@ -463,7 +419,7 @@ def main(args: Args) -> dict:
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before, guard),
+            **loop.work(),                                   # the iteration's work: nfe_fwd, reward_calls, ...
         })
         # <<< shared: log
         # >>> shared: ratio-log
@@ -480,7 +436,6 @@ def main(args: Args) -> dict:
             "anchor_reward": common.all_reduce_mean(anchor_rewards.float().mean().to(rt.device)).item(),
             "adv_abs_mean": advantages.abs().mean().item(),
             "adv_clamp_frac": (advantages.abs() >= args.adv_clip).float().mean().item(),
-            "nfe_anchor": nfe_anchor, "nfe_continuation": nfe_continuation,
         })
 
         # >>> shared: loop-end

@@ -1,79 +1,31 @@
-"""Pro-GRPO (arXiv 2512.15347, "Expand and Prune", CVPR 2026): Flow-GRPO with a cheaper, more diverse group.
-Within a GRPO group many rewards cluster near the group mean; their advantages are near zero, so those
-trajectories cost full sampling and backprop and teach almost nothing ("reward clustering"). Optimal
-Variance Filtering (OVF) keeps the size-k subset of a group whose rewards have the largest variance.
-Pro-GRPO applies it during sampling: it starts an expanded group of G_max SDE trajectories per prompt
-and, at a few checkpoint steps, previews each live trajectory's image with a one-step x0-prediction,
-scores the preview with the training reward and keeps only the OVF subset of the next funnel size
-(e.g. 48 -> 24 -> 12). Pruned trajectories stop at once; the survivors finish, get their true rewards,
-advantages are normalised over the survivors, and Flow-GRPO's loss trains on their steps.
+"""Pro-GRPO (arXiv 2512.15347, "Expand and Prune", CVPR 2026): Flow-GRPO with a cheaper, more diverse group. Many
+rewards of a GRPO group cluster near its mean: their advantages are near zero, so those trajectories cost sampling and
+backprop and teach almost nothing. Optimal Variance Filtering (OVF) keeps the size-k subset of a group whose rewards
+vary most. Pro-GRPO applies it during sampling: it starts an expanded group of G_max SDE trajectories per prompt and,
+at a few checkpoint steps, previews each live trajectory's image with a one-step x0-prediction, scores the preview with
+the training reward and keeps the OVF subset of the next funnel size (e.g. 48 -> 24 -> 12). The survivors finish, get
+their true rewards and advantages over the survivors, and Flow-GRPO's loss trains on their steps.
 
-Differences from flow_grpo.py:
-  1. Expand: `--group-size` is the expanded group G_max; `--funnel` lists the alive trajectories per
-     prompt after each of the `--checkpoints`; the last funnel size K is the trained group.
-  2. The rollout runs step-major over all alive trajectories (micro-batches inside a step), so a whole
-     group reaches a checkpoint together. The velocity at z_k is computed once and serves both the
-     preview and the SDE step k: a checkpoint costs no transformer call.
-  3. Prune: at each checkpoint, preview x0_hat = z_k - t_k v, decode, score with the training reward,
-     keep the OVF subset per prompt (`ovf_select`); pruned trajectories get no further calls.
-  4. Advantages are normalised over each prompt's survivors (`survivor_advantages`); no --global-std.
-  5. The conditioning is encoded once per prompt and indexed per trajectory (no G-fold repeat).
-  6. Logs the work of the funnel: preview rewards and their within-group std before/after each OVF,
-     the trained group's std, sampling evaluations, and a FLOPs proxy against Flow-GRPO's group.
-     reward_mean / reward_std are the survivors' (OVF-selected, so not the policy's mean reward; the
-     first checkpoint's ovf<k>_preview_mean covers the whole expanded group).
-  The loss, the KL, the update loop and everything shared are flow_grpo.py's.
+Differences from flow_grpo.py: `--group-size` is G_max and `--funnel` / `--checkpoints` the schedule; the rollout runs
+step-major over the live trajectories (the velocity at z_k serves the preview and the SDE step alike); advantages over
+each prompt's survivors; the funnel's work is logged. The update, its loss and KL are flow_grpo.py's (shared blocks).
 
-Simplifications / readings (the paper releases no code and leaves these open):
-  1. OVF solver. The paper states the objective, not a solver. For scalars some optimal subset is the
-     j smallest plus the k - j largest rewards (the variance is convex in each member, so a member can
-     always be swapped for the smallest or largest excluded value without loss). We sort, scan
-     j = 0..k with prefix sums (exact, O(n log n)) and break ties towards the smallest j, i.e. towards
-     keeping high rewards. Variance is the population one, (1/k) sum (R - mean)^2, as in the paper.
-  2. Checkpoint k = "k steps done". The preview is the one-step projection x0_hat = z_k - t_k v_old(z_k)
-     made with the velocity the sampler needs for step k anyway (theta_old, no grad, with CFG as in
-     sampling). A pruned trajectory's velocity at the checkpoint is spent, so 48 -> 24 -> 12 at
-     {5, 7} with T = 10 costs 48*6 + 24*2 + 12*2 = 360 sampling evaluations per prompt (a count that
-     skips the checkpoint evaluation of the pruned ones gives 324).
-  3. Previews are scored with the training reward; the final advantages use the survivors' true
-     rewards. The advantage is Flow-GRPO's per-group form over the K survivors: mean and population
-     std (np.std, as Flow-GRPO's code) over them, + 1e-4, clamped to +-adv_clip. No global std: the
-     paper normalises within the group.
-  4. Survivors train on all of the baseline's trained steps (the first int(0.99 T)), including those
-     before the checkpoints, where their rollout velocities came from micro-batches that also held
-     trajectories pruned later (on CPU the recomputed log-probs still match bit for bit, tested; kernels
-     that depend on batch composition would put float noise in rho at those steps). Pruned trajectories
-     never enter the loss.
-  5. Static OVF (the paper's validation experiment) is a checkpoint at T: the "preview" is the finished
-     sample and its proxy reward the true reward (e.g. `--group-size 24 --funnel 12 --checkpoints 10`).
-     An empty funnel is plain Flow-GRPO with within-group advantages.
-  6. Initial noises are independent per trajectory (no shared latent per group).
-  7. FLOPs proxy (`flops_vs_flow_grpo`): transformer evaluations per sample, a forward = 1, forward +
-     backward = 3, the reference forward (beta > 0) = 1; ours over Flow-GRPO's with `--baseline-group`
-     trajectories per prompt on the same prompts and steps. Preview decodes and reward calls are logged
-     (decodes, reward_calls) but not in the ratio; the paper's FLOPs table adds them.
-  8. FLUX (T = 6): checkpoints {3, 4}, the paper's {5, 7} of T = 10 at the same fractions of T.
-  9. Toy: Flow-GRPO's group of 8 expanded as the paper expands 24, 16 -> 8 -> 4.
-  10. Several rewards: OVF filters on their weighted sum (the training reward); with --reward-norm per-reward
-     the survivors' advantage is the weighted sum of each reward's own, clamped after the sum.
+Simplifications / readings (the paper releases no code), each detailed where it is implemented:
+  1. ovf_select: an exact solver, ties going to high rewards; the variance is the population one, as the paper's.
+  2. A checkpoint at k previews x0_hat = z_k - t_k v_old(z_k) with the sampler's own velocity (no extra call), scored
+     with the training reward (several: their weighted sum); a pruned trajectory's velocity there counts as spent.
+  3. survivor_advantages: Flow-GRPO's group form over the K survivors' true rewards, no global std.
+  4. Survivors train on all the steps Flow-GRPO trains, those before the checkpoints too (`trained`).
+  5. parse_funnel: Static OVF (the paper's validation) is a checkpoint at T; an empty funnel is Flow-GRPO's group.
+  6. Initial noises are independent per trajectory; FLUX's checkpoints {3, 4} of 6 steps are the paper's {5, 7} of 10.
+  7. flops_vs_flow_grpo: transformer evaluations per sample, a forward 1, forward + backward 3, reference forward 1.
 
-Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
-name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
-(README, Toy recipes).
+Run: python pro_grpo.py (toy, CPU); python pro_grpo.py --group-size 24 --funnel 12 --checkpoints 10 (toy, Static OVF);
+torchrun --nproc_per_node=8 pro_grpo.py --model sd3 (full scale: 48 -> 24 -> 12 at steps 5, 7; README, Recipes).
 
-Run:
-  python pro_grpo.py                                   # toy model, CPU, a few minutes
-  python pro_grpo.py --group-size 24 --funnel 12 --checkpoints 10           # toy, Static OVF
-  python pro_grpo.py --model sd3 --reward pickscore --prompts-per-step 8   # one GPU, 48 -> 24 -> 12 at 5, 7
-  python pro_grpo.py --model sd3 --reward pickscore --group-size 24 --funnel 16,12   # Pro-GRPO-Flash
-  torchrun --nproc_per_node=8 pro_grpo.py --model flux --reward pickscore
-  torchrun --nnodes=3 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 pro_grpo.py --model sd3
-
-Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob;
-rho = ratio; A = advantages; beta = KL weight; B = prompts per rank; T = sample_steps;
-G_max = group_size; (K_1, ..., K) = funnel, K = funnel[-1]; k_i = checkpoints; x0_hat = preview;
-R_hat = proxy rewards; S = alive (trajectory ids, prompt = id // G_max); G_base = baseline_group;
-N = trained samples per rank; mb = micro_batch.
+Notation: as flow_grpo.py's; G_max = group_size; (K_1, ..., K) = funnel, K = funnel[-1]; k_i = checkpoints;
+x0_hat = preview; R_hat = proxy rewards; S = alive (trajectory ids, prompt = id // G_max); G_base = baseline_group;
+N = trained samples per rank.
 """
 from __future__ import annotations
 
@@ -94,6 +46,28 @@ from common import field
 # ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
+    # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
+    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(8, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(16, "expanded group G_max: trajectories started per prompt", at_least=2, at_most=100_000)
+    micro_batch: int = field(16, "samples per forward pass, in rollout and update alike", at_least=1)
+    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
+    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
+                                     at_least=0, at_most=1)
+    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
+    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
+    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]", at_least=1e-12)
+    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy", at_least=0)
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
+                                    "per-reward (each reward's advantage, then their weighted sum)",
+                             choices=common.REWARD_NORMS)
+    funnel: str = field("8,4", "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
+                               "from --group-size; the last is the trained group K; '' = no pruning")
+    checkpoints: str = field("5,7", "steps done at each checkpoint, e.g. '5,7' (one per funnel size); a checkpoint "
+                                    "at T = --sample-steps filters finished images (Static OVF)")
+    baseline_group: int = field(8, "Flow-GRPO group size the FLOPs proxy compares against", at_least=2)
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
@@ -141,35 +115,13 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
-    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # common.py also reads two fields that each method defines above this block, with its own toy defaults: keep
     # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
-    # --- Pro-GRPO --- (Flow-GRPO's sampler and loss, then Expand-and-Prune; --group-size is G_max)
-    iterations: int = field(30, "training iterations (rollout + update)", at_least=0, at_most=10**9)
-    prompts_per_step: int = field(8, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
-    group_size: int = field(16, "expanded group G_max: trajectories started per prompt", at_least=2, at_most=100_000)
-    micro_batch: int = field(16, "samples per forward pass, in rollout and update alike", at_least=1)
-    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
-    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
-    noise_level: float = field(0.7, "SDE noise level a in g = a sqrt(t / (1 - t))", at_least=1e-12)
-    timestep_fraction: float = field(0.99, "train the first int(T * fraction) steps of each trajectory",
-                                     at_least=0, at_most=1)
-    updates_per_rollout: int = field(2, "optimizer steps per iteration, one per minibatch of the rollout", at_least=1)
-    clip_range: float = field(1e-4, "PPO ratio clip epsilon", at_least=0)
-    adv_clip: float = field(5.0, "advantages are clamped to [-adv_clip, adv_clip]", at_least=1e-12)
-    beta: float = field(0.03, "weight of the KL to the reference (pre-trained) policy", at_least=0)
-    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum, as Flow-GRPO) or "
-                                    "per-reward (each reward's advantage, then their weighted sum)",
-                             choices=common.REWARD_NORMS)
-    funnel: str = field("8,4", "alive trajectories per prompt after each checkpoint, e.g. '24,12', decreasing "
-                               "from --group-size; the last is the trained group K; '' = no pruning")
-    checkpoints: str = field("5,7", "steps done at each checkpoint, e.g. '5,7' (one per funnel size); a checkpoint "
-                                    "at T = --sample-steps filters finished images (Static OVF)")
-    baseline_group: int = field(8, "Flow-GRPO group size the FLOPs proxy compares against", at_least=2)
 
 
 # Full scale: what differs from the toy defaults above: the paper's Standard funnel 48 -> 24 -> 12 on Flow-GRPO's
-# settings (FLUX's checkpoints: reading 8).
+# settings (FLUX's checkpoints: reading 6). The toy expands Flow-GRPO's group of 8 as the paper does 24: 16 -> 8 -> 4.
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -248,17 +200,36 @@ def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
 
 
+def step_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor, t, s,
+              args) -> tuple[torch.Tensor, dict]:
+    """[Flow-GRPO Eq. 5] The loss of one denoising step t -> s of a micro-batch, from its log-probs under theta and
+    theta_old, advantages and KL to the reference (n,) each: the mean of the clipped policy-gradient term plus beta KL,
+    and what the update logs (`stats.add`; the `ratio-log` block reads ratio_dev, clip_frac, kl and approx_kl). The
+    shared update calls it for every trained step: a method that changes only the loss changes this function."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg = clipped_objective(ratio, advantages, args.clip_range)
+    loss = (pg + args.beta * kl).mean()
+    return loss, dict(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
+                      clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
+                      approx_kl=0.5 * ((log_prob - old_log_prob) ** 2).mean())
+
+
 def survivor_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """[Pro-GRPO, advantage] A_i = (R_i - mean_K R) / (std_K R + eps) over each prompt's K survivors only
     ([Flow-GRPO Eq. 4] on the survivors, eps = 1e-4; the loop clamps the result to +-adv_clip, after the sum
-    over rewards with --reward-norm per-reward). rewards (B, K) -> (B*K,)."""
+    over rewards with --reward-norm per-reward). Reading 3: the survivors' true rewards, not their previews'; the
+    std is the population one (np.std, as Flow-GRPO's code); no global std: the paper normalises within the group.
+    rewards (B, K) -> (B*K,)."""
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, correction=0, keepdim=True)       # population std, as Flow-GRPO's code
     return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)")
 
 
 def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> tuple[list[int], list[int]]:
-    """'24,12' and '5,7' -> ([24, 12], [5, 7]) after checking the schedule; a clear error names the flag."""
+    """'24,12' and '5,7' -> ([24, 12], [5, 7]) after checking the schedule; a clear error names the flag. Reading 5:
+    checkpoint k = "k steps done"; Static OVF (the paper's validation experiment) is a checkpoint at T, whose
+    "preview" is the finished sample and its proxy reward the true one (`--group-size 24 --funnel 12 --checkpoints
+    10`); an empty funnel is plain Flow-GRPO with within-group advantages."""
     def ints(text, flag):
         try:
             return [int(x) for x in text.split(",") if x.strip()]
@@ -333,7 +304,9 @@ def main(args: Args) -> dict:
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
     step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)  # [Flow-GRPO Eq. 9]
-    # FLOPs proxy per trajectory-step: forward 1, forward + backward 3, reference forward 1 (reading 7)
+    # FLOPs proxy per trajectory-step (reading 7): forward 1, forward + backward 3, reference forward 1, ours over
+    # Flow-GRPO's with --baseline-group trajectories per prompt; the preview decodes and reward calls are logged apart
+    # (decodes, reward_calls), not in the ratio: the paper's FLOPs table adds them
     train_cost = 3 + (args.beta > 0)
     baseline_cost = B * args.baseline_group * (T + train_cost * T_train)  # Flow-GRPO, same prompts and steps
 
@@ -365,7 +338,6 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: expand, SDE-sample step-major [Flow-GRPO Eq. 9], preview + OVF-prune at checkpoints ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
@@ -379,8 +351,7 @@ def main(args: Args) -> dict:
             alive = torch.arange(B * G)                       # (B*G,) [Pro-GRPO, expand] S: ids, prompt-major
             z = adapter.noise(B * G, gen)                     # (B*G, ...) z_0, independent per trajectory
             zs, lps = [z], []                                 # per step: (|S|, ...) and (|S|,), rows = alive
-            for k in range(T + 1):
-                loop.stop_if_signalled(it)                    # a signal drops the rollout
+            for k in loop.each(range(T + 1)):                 # a signal stops the run here (README, Fork a method)
                 if k < T:  # v(z_k): the SDE step's velocity, and the preview's at a checkpoint (no extra call)
                     v = torch.cat([adapter.velocity(net, z[i:i + mb], sigmas[k],
                                                     common.cond_select(cond, alive[i:i + mb] // G))
@@ -389,7 +360,8 @@ def main(args: Args) -> dict:
                 if k in steps_at:
                     tic_p = time.time()
                     n, n_next = len(alive) // B, sizes[steps_at.index(k)]
-                    # [Pro-GRPO, preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF)
+                    # [Pro-GRPO, preview] x0_hat = z_k - t_k v (at k = T the finished sample: Static OVF); reading 2:
+                    # v is the sampler's own (theta_old, no grad, CFG as sampling), spent for the pruned ones too
                     x0_hat = common.x0_prediction(z, v, sigmas[k]) if k < T else z
                     proxy, proxy_parts = score(x0_hat, alive, records)  # (|S|,) R_hat: the training reward on previews
                     # [Pro-GRPO, OVF] per prompt, keep the max-variance subset of size K_{i+1}
@@ -408,7 +380,10 @@ def main(args: Args) -> dict:
                 lps.append(lp)
         latents, log_probs = torch.stack(zs, 1), torch.stack(lps, 1)  # (N, T+1, ...) and (N, T), survivors
         cond = common.cond_select(cond, alive // G)           # (N, ...) the survivors' conditioning, prompt-major
-        trained = [range(T_train)] * (N // mb)               # every micro-batch trains the first T_train steps
+        # reading 4: every micro-batch trains the first T_train steps, those before the checkpoints too, where the
+        # rollout's velocities came from micro-batches that also held trajectories pruned later (on CPU the recomputed
+        # log-probs match bit for bit, tested; kernels that depend on the batch would put float noise in rho there)
+        trained = [range(T_train)] * (N // mb)
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> advantages over the survivors [Pro-GRPO, advantage] ----
@@ -424,32 +399,27 @@ def main(args: Args) -> dict:
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         # >>> shared: update
-        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
+        order = torch.randperm(N // mb, generator=gen)       # shuffle whole micro-batches: the first is on-policy
         stats = common.UpdateStats()
-        for u in range(args.updates_per_rollout):
-            n_step = it * args.updates_per_rollout + u + 1     # this optimizer step's number in the run, from 1
-            chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for m in chunk:
+        for u in loop.each(range(args.updates_per_rollout)):  # a signal before the first optimizer step stops here
+            n_step = it * args.updates_per_rollout + u + 1    # this optimizer step's number in the run, from 1
+            minibatch = order[u * per_update:(u + 1) * per_update].tolist()  # the step's rollout micro-batches
+            for m in minibatch:
                 idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
                 for j, k in enumerate(trained[m]):          # the j-th stored step is step k of the grid
-                    sync = m == chunk[-1] and j == len(trained[m]) - 1  # the update's last backward all-reduces
+                    sync = m == minibatch[-1] and j == len(trained[m]) - 1  # the step's last backward all-reduces
                     z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
                         _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
-                        ratio = torch.exp(lp - log_probs[idx, j])
-                        pg = clipped_objective(ratio, A, args.clip_range)
                         kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
-                            if args.beta > 0 else torch.zeros_like(pg)
-                        loss = (pg + args.beta * kl).mean()
-                        guard.backward(loss / (len(chunk) * len(trained[m])))  # one step's activations alive
-                    stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
-                              clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
-                              approx_kl=0.5 * ((lp - log_probs[idx, j]) ** 2).mean())
+                            if args.beta > 0 else torch.zeros_like(lp)
+                        loss, logged = step_loss(lp, log_probs[idx, j], A, kl, sigmas[k], sigmas[k + 1], args)
+                        guard.backward(loss / (len(minibatch) * len(trained[m])))  # one step's activations alive
+                    stats.add(**logged)
             # >>> shared: step
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
@@ -469,7 +439,7 @@ def main(args: Args) -> dict:
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before, guard),
+            **loop.work(),                                   # the iteration's work: nfe_fwd, reward_calls, ...
         })
         # <<< shared: log
         # >>> shared: ratio-log

@@ -1,83 +1,31 @@
-"""V-GRPO (arXiv 2604.23380): online RL for flow-matching models without an MDP. The whole generation is one
-action: rollouts use the plain deterministic ODE sampler, and the intractable log-likelihood log pi(o | c) of a
-final sample o is replaced by minus its conditional pre-training loss (a weighted ELBO), estimated on N_MC
-(time, noise) pairs. GRPO then trains with one importance ratio per sample. What makes this surrogate work
-where earlier ELBO surrogates (DDPO-IS, FPO) failed is variance reduction - the G samples of a prompt share
-their pairs, the times are stratified over the sampler's grid, the loss is an x-prediction MSE divided by its
-own stop-gradient L1 - plus step-size control: a small ratio clip, a KL to the behaviour policy theta_old, and
-a tanh soft-clip of the advantages for fully on-policy updates.
+"""V-GRPO (arXiv 2604.23380): online RL for flow-matching models without an MDP. The whole generation is one action:
+rollouts use the plain ODE sampler, and the intractable log-likelihood log pi(o | c) of a final sample o is replaced by
+minus its conditional pre-training loss (a weighted ELBO), estimated on N_MC (time, noise) pairs; GRPO then trains with
+one importance ratio per sample. What makes this surrogate work where earlier ELBO surrogates (DDPO-IS, FPO) failed is
+variance reduction (a prompt's G samples share their pairs, the times are stratified over the sampler's grid, the loss
+is an x-prediction MSE divided by its own stop-gradient L1) and step-size control (a small ratio clip, a KL to the
+behaviour policy theta_old, a tanh soft-clip of the advantages).
 
-Differences from flow_grpo.py:
-  1. Rollout: Euler ODE over adapter.sigmas(T) under theta_old (common.sample_ode); only the final latents
-     o_i are kept - no SDE, no per-step latents or log-probs, so noise_level and timestep_fraction are gone.
-  2. N_MC pairs (t_j, eps_j) per prompt, shared by its G samples (`--share-pairs group`; `batch` shares one
-     set over the whole iteration and all ranks, `sample` draws one per sample for ablations), the times
-     stratified over the grid: one uniform draw in each of N_MC contiguous chunks (`draw_pairs`).
-  3. Likelihood surrogate: L_i(theta) = (1/N_MC) sum_j mean_D (x_hat_ij - o_i)^2 / sg(mean_D |x_hat_ij - o_i|)
-     with x_hat_ij = x_ij - t_j v_theta(x_ij, t_j), x_ij = (1 - t_j) o_i + t_j eps_j; log pi(o_i) ~ -L_i.
-     L_i(theta_old) is computed once after the rollout, without grad, on the same pairs (N_MC forwards).
-  4. One ratio per sample, rho_i = exp(L_i(theta_old) - L_i(theta)) (the mean over pairs inside the exp),
-     instead of one per denoising step; the update costs N_MC forwards per sample instead of T.
-  5. The KL is to the behaviour policy theta_old, not the pre-trained model: the mean squared difference of
-     the x-predictions at the kept pairs. No reference network and no reference forwards.
-  6. Advantages: optional soft-clip A <- kappa tanh(A / kappa) (`--soft-clip kappa`) instead of the hard clamp.
-  7. The advantage std is the group's by default (`--no-global-std`): the paper's "group z-score", as in the
-     FastVideo/DanceGRPO code V-GRPO builds on, and unbiased like that code's (flow_grpo.py: the global,
-     population std of Flow-GRPO's code).
-  8. Logged: NFE_old = rollout + old surrogate and NFE_theta per sample (the paper's accounting), the
-     surrogate's value and its coefficients of variation over the batch and within groups (the paper's
-     variance diagnostics), the time of the old surrogate.
+Differences from flow_grpo.py: ODE rollouts keep only the final latents (no SDE, no per-step log-probs); the update's
+ratio is elbo_ratio's, one per sample from the surrogate on shared pairs, at N_MC forwards per sample instead of T; the
+KL is to theta_old (kl_to_old: no reference network); soft-clipped advantages with the group's unbiased std
+(unbiased_group_advantages); the paper's NFE accounting and variance diagnostics are logged.
 
-Simplifications / readings (where the paper or its summaries leave a choice):
-  1. Stratification grid: the rollout's own sigma grid without t = 0 (at t = 0 x_hat = o exactly and the
-     self-normalised loss is 0/0): the T points t_0 = 1 ... t_{T-1}, split into N_MC contiguous chunks of
-     near-equal size (torch.tensor_split), one point drawn uniformly in each. Whether the paper's "sampler
-     grid" is the rollout grid or a finer one is not stated; `--pair-grid-steps T_pair` stratifies over
-     adapter.sigmas(T_pair) instead.
-  2. Each evaluation of L divides by its own detached L1, so rho = 1 exactly at theta = theta_old; the L1 is
-     floored at 1e-12 so a pair with x_hat == o gives 0, not NaN.
-  3. `--updates-per-rollout N_grad` splits the rollout into N_grad minibatches, one gradient step each, as
-     flow_grpo.py does: every sample is trained once per iteration, so NFE_theta = N_MC per sample whatever
-     N_grad (the paper's "4 per gradient step"). With N_grad = 1 the update is fully on-policy: rho = 1,
-     clip and KL are inert and the gradient is mean_i A_i grad L_i(theta) - hence the soft-clip.
-  4. The KL averages the squared x-prediction difference over latent elements and pairs, then samples.
-  5. Soft-clip replaces the +-5 clamp (they are alternatives); with --soft-clip 0 the clamp applies.
-  6. Settings the paper does not give for FLUX (lr, G, prompts per step, LoRA, N_grad, soft-clip): we take
-     its SD3.5 LoRA recipe (r 32, alpha 64, lr 3e-4), MixGRPO's protocol (720 px, group 12, 16 ODE steps,
-     300 iterations, several rewards normalised one by one and summed: --reward-norm per-reward), N_grad 2
-     with clip 1e-2 so the clip is active, and kappa 3 (its reduced-step FLUX run). MixGRPO's official script
-     trains on HPS v2.1, PickScore and ImageReward; that V-GRPO trains on them too is our reading (its FLUX
-     baselines are MixGRPO's published numbers), not confirmed in its text. The default is `hpsv2,pickscore`:
-     ImageReward needs an environment of its own (add remote:http://HOST:PORT/imagereward, README, Rewards).
-     SD3 follows stage 1 of its SD3.5-M curriculum (no CFG, 40 ODE steps, 48 x 24, N_grad 1, kappa 3, no
-     clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed); the other stages are separate runs. Stage 1
-     trains on HPS v2.1 + PickScore + CLIP (`hpsv2,pickscore,clipscore`, raw scores summed: Flow-GRPO's way,
-     whose code DiffusionNFT builds on); the weights, the normalisation and the CLIP are unconfirmed
-     (DiffusionNFT's README fetches LAION's CLIP-H for its CLIP score; clipscore is CLIP ViT-L/14).
-  7. All N_MC pairs of a micro-batch go through one forward of micro_batch x N_MC rows (the ratio couples
-     them, so their activations are alive together for one backward anyway).
-  8. The velocity used by the surrogate is the adapter's, so with `--guidance-scale > 1` on SD3 it is the
-     CFG velocity; V-GRPO trains SD3.5 without CFG (default guidance 1).
-  9. Pair sharing: the paper shares one set of (t, eps) pairs within a group [V-GRPO, group-shared pairs]
-     (`--share-pairs group`, the default); its official code is reported to share one set over the whole
-     batch and all ranks (`--share-pairs batch`), which we could not check in that code.
+Simplifications / readings (where the paper leaves a choice), each detailed where it is implemented:
+  1. stratified_times: the rollout's own grid without t = 0, in N_MC contiguous strata (or --pair-grid-steps').
+  2. pair_losses: each evaluation divides by its own detached L1, so rho = 1 exactly at theta = theta_old.
+  3. --updates-per-rollout N_grad minibatches, each sample trained once (NFE_theta = N_MC); N_grad = 1 is on-policy.
+  4. kl_to_old: the squared x-prediction difference averaged over elements and pairs, then samples.
+  5. soft_clip replaces the +-adv-clip clamp (--soft-clip 0: the clamp).
+  6. The settings the paper does not give for FLUX, and SD3.5's stage 1: MODEL_DEFAULTS.
+  7. x_predictions: all N_MC pairs of a micro-batch go through one forward; with CFG the surrogate's velocity is CFG's.
+  8. draw_pairs: one set per group, the paper's (the official code is reported to share one over the batch).
 
-Tags such as [Flow-GRPO Eq. 9] cite equation numbers where they were checked (Flow-GRPO's arXiv v5) and
-name the part of the paper otherwise, e.g. [G2RPO, MGAI]. The toy defaults were calibrated on 2 CPU cores
-(README, Toy recipes).
-
-Run:
-  python v_grpo.py                                      # toy model, CPU, a few minutes
-  python v_grpo.py --model sd3                          # one GPU, stage 1 of the SD3.5-M curriculum
-  torchrun --nproc_per_node=8 v_grpo.py --model flux
-  torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HOST:29500 v_grpo.py --model sd3 \\
-      --prompts-per-step 64                             # 32 ranks: the prompts must divide evenly
-
-Notation: o_i = samples[i]; t_j, eps_j = taus[i, j], eps[i, j]; N_MC = mc_pairs (J in code);
+Run: python v_grpo.py (toy, CPU); python v_grpo.py --model sd3 (one GPU, stage 1 of the SD3.5-M curriculum);
+torchrun --nproc_per_node=8 v_grpo.py --model flux (full scale; README, Recipes).
+Notation: as flow_grpo.py's; o_i = samples[i]; t_j, eps_j = taus[i, j], eps[i, j]; N_MC = mc_pairs (J in code);
 x_hat_ij = x_hat[i, j]; l_ij = pair_losses; L_i(theta) = surrogate[i]; L_i(theta_old) = surrogate_old[i];
-rho = ratio; A = advantages; eps_clip = clip_range; beta = KL weight; kappa (the paper's eta) = soft_clip;
-N_grad = updates_per_rollout; G = group_size; B = prompts per rank; T = sample_steps;
-T_pair = pair_grid_steps; N = samples per rank; mb = micro_batch.
+eps_clip = clip_range; kappa (the paper's eta) = soft_clip; N_grad = updates_per_rollout; T_pair = pair_grid_steps.
 """
 from __future__ import annotations
 
@@ -96,6 +44,31 @@ from common import field
 # ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----
 @dataclass
 class Args:
+    # --- V-GRPO ---
+    iterations: int = field(20, "training iterations (rollout + update)", at_least=0, at_most=10**9)
+    prompts_per_step: int = field(16, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
+    group_size: int = field(8, "samples per prompt (G)", at_least=2, at_most=100_000)
+    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
+    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
+    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
+    mc_pairs: int = field(4, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
+    share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt, as the "
+                                      "paper), batch (all samples of the iteration, on every rank, as the official "
+                                      "code is reported to), sample (nobody: ablation)",
+                             choices=("group", "batch", "sample"))
+    stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
+    pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(T_pair) minus t = 0; default: "
+                                                   "sample-steps", at_least=1, at_most=1000)
+    self_normalize: bool = field(True, "divide each pair's x-prediction MSE by its stop-gradient L1")
+    updates_per_rollout: int = field(2, "gradient steps N_grad per iteration, one per rollout minibatch", at_least=1)
+    clip_range: float = field(1e-2, "PPO ratio clip epsilon (inert with one update per rollout)", at_least=0)
+    soft_clip: float = field(3.0, "soft-clip kappa: A <- kappa tanh(A / kappa); 0 = clamp to +-adv-clip", at_least=0)
+    adv_clip: float = field(5.0, "with --soft-clip 0, advantages are clamped to [-adv_clip, adv_clip]", at_least=0)
+    beta: float = field(0.0, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old", at_least=0)
+    global_std: bool = field(False, "advantages divided by the std of all the iteration's rewards (else the group's)")
+    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum) or per-reward (each "
+                                    "reward's advantage, then their weighted sum, as MixGRPO)",
+                             choices=common.REWARD_NORMS)
     # >>> shared: args
     model: str = field("toy", f"model: {', '.join(common.MODELS)}", choices=common.MODELS)
     model_path: str | None = field(None, "hub id or local folder overriding the model's default weights; random: the "
@@ -143,37 +116,20 @@ class Args:
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "
                                    "then stop (exit 1 if a check FAILed): writes only preflight.json in the run "
                                    "folder (README, Before a long run)")
-    # common.py also reads two fields that each method defines after this block, with its own toy defaults: keep
+    # common.py also reads two fields that each method defines above this block, with its own toy defaults: keep
     # `iterations` and `prompts_per_step` under these names (the loop, the run folder, --preflight read them)
     # <<< shared: args
-    # --- V-GRPO ---
-    iterations: int = field(20, "training iterations (rollout + update)", at_least=0, at_most=10**9)
-    prompts_per_step: int = field(16, "prompts per iteration, over all ranks", at_least=1, at_most=100_000)
-    group_size: int = field(8, "samples per prompt (G)", at_least=2, at_most=100_000)
-    micro_batch: int = field(32, "samples per forward pass, in rollout and update alike", at_least=1)
-    lr: float = field(1e-4, "AdamW learning rate", at_least=1e-12, at_most=1)
-    sample_steps: int = field(10, "denoising steps T of a training rollout", at_least=1, at_most=1000)
-    mc_pairs: int = field(4, "(t, eps) pairs N_MC per sample in the ELBO surrogate")
-    share_pairs: str = field("group", "who shares a set of (t, eps) pairs: group (the G samples of a prompt, as the "
-                                      "paper), batch (all samples of the iteration, on every rank, as the official "
-                                      "code is reported to), sample (nobody: ablation)",
-                             choices=("group", "batch", "sample"))
-    stratified: bool = field(True, "one time per contiguous chunk of the grid (else uniform over the grid)")
-    pair_grid_steps: int | None = field(None, "times come from adapter.sigmas(T_pair) minus t = 0; default: "
-                                                   "sample-steps", at_least=1, at_most=1000)
-    self_normalize: bool = field(True, "divide each pair's x-prediction MSE by its stop-gradient L1")
-    updates_per_rollout: int = field(2, "gradient steps N_grad per iteration, one per rollout minibatch", at_least=1)
-    clip_range: float = field(1e-2, "PPO ratio clip epsilon (inert with one update per rollout)", at_least=0)
-    soft_clip: float = field(3.0, "soft-clip kappa: A <- kappa tanh(A / kappa); 0 = clamp to +-adv-clip", at_least=0)
-    adv_clip: float = field(5.0, "with --soft-clip 0, advantages are clamped to [-adv_clip, adv_clip]", at_least=0)
-    beta: float = field(0.0, "weight of the KL (x-prediction MSE) to the behaviour policy theta_old", at_least=0)
-    global_std: bool = field(False, "advantages divided by the std of all the iteration's rewards (else the group's)")
-    reward_norm: str = field("sum", "with several rewards: sum (advantage of their weighted sum) or per-reward (each "
-                                    "reward's advantage, then their weighted sum, as MixGRPO)",
-                             choices=common.REWARD_NORMS)
 
 
-# Full scale: what differs from the toy defaults above, from the paper where it gives them (else reading 6).
+# Full scale: what differs from the toy defaults above, from the paper where it gives them. Reading 6, where it does
+# not: for FLUX its SD3.5 LoRA recipe (r 32, alpha 64, lr 3e-4), MixGRPO's protocol (720 px, group 12, 16 ODE steps,
+# 300 iterations, rewards normalised one by one and summed), N_grad 2 with clip 1e-2 so the clip is active, and kappa 3
+# (its reduced-step FLUX run). MixGRPO's script trains on HPS v2.1, PickScore and ImageReward; that V-GRPO does too is
+# our reading (its FLUX baselines are MixGRPO's numbers); ImageReward needs an environment of its own (add
+# remote:http://HOST:PORT/imagereward, README, Rewards). SD3 is stage 1 of its SD3.5-M curriculum (no CFG, 40 ODE
+# steps, 48 x 24, N_grad 1, kappa 3, no clip or KL) at 512 px (DiffusionNFT's; 720 is unconfirmed) on HPS v2.1 +
+# PickScore + CLIP, raw scores summed (Flow-GRPO's way, whose code DiffusionNFT builds on): the weights, the
+# normalisation and the CLIP (clipscore is CLIP ViT-L/14; DiffusionNFT fetches LAION's CLIP-H) are unconfirmed.
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "hpsv2,pickscore,clipscore",   # stage 1's rewards (reading 6)
@@ -182,7 +138,7 @@ MODEL_DEFAULTS = {
         "eval_images": 256,
         "eval_steps": 40,
         "resolution": 512,
-        "guidance_scale": 1.0,            # no CFG (reading 8)
+        "guidance_scale": 1.0,            # no CFG (reading 7)
         "lora_rank": 32,
         "lora_alpha": 64,
         "ema": True,
@@ -224,15 +180,17 @@ BATCH_PAIRS_KEY = 10**9  # generator key of --share-pairs batch: no rank or iter
 
 def stratified_times(grid: torch.Tensor, n_mc: int, n_sets: int, generator: torch.Generator,
                      stratified: bool = True) -> torch.Tensor:
-    """[V-GRPO, stratified timestep sampling] (n_sets, n_mc) times from the sampler's grid without t = 0 (reading 1):
-    its points are split into n_mc contiguous chunks and one point is drawn uniformly inside each, so every set
-    covers high, middle and low noise (n_mc <= the points: main checks --mc-pairs). stratified=False draws n_mc
-    points uniformly over the whole grid."""
+    """[V-GRPO, stratified timestep sampling] (n_sets, n_mc) times from the sampler's grid without t = 0: its points
+    are split into n_mc contiguous strata of near-equal size (tensor_split) and one point is drawn uniformly inside
+    each, so every set covers high, middle and low noise (n_mc <= the points: main checks --mc-pairs).
+    stratified=False draws n_mc points uniformly over the whole grid. Reading 1: the grid is the rollout's own,
+    t_0 = 1 ... t_{T-1} (at t = 0 x_hat = o exactly and the self-normalised loss is 0/0); whether the paper's
+    "sampler grid" is a finer one is not stated: --pair-grid-steps T_pair stratifies over adapter.sigmas(T_pair)."""
     points = grid[grid > 0]                                  # (T_pair,) t_0 = 1 > ... > t_{T_pair-1} > 0
     if not stratified:
         return points[torch.randint(len(points), (n_sets, n_mc), generator=generator)]
-    chunks = torch.arange(len(points)).tensor_split(n_mc)
-    idx = torch.stack([c[torch.randint(len(c), (n_sets,), generator=generator)] for c in chunks], 1)  # (n_sets, n_mc)
+    strata = torch.arange(len(points)).tensor_split(n_mc)
+    idx = torch.stack([c[torch.randint(len(c), (n_sets,), generator=generator)] for c in strata], 1)  # (n_sets, n_mc)
     return points[idx]
 
 
@@ -242,7 +200,9 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, B: int, G: int, noise_fn, share: s
     (prompt-major). With share="group" the G samples of a prompt get the same pairs, so the differences of
     their surrogates come from the samples o_i, not from Monte-Carlo noise; "batch" gives every sample one
     set, "sample" gives each its own. noise_fn(n, generator) draws n initial-noise-shaped latents.
-    Returns taus (B*G, n_mc) and eps (B*G, n_mc, ...)."""
+    Returns taus (B*G, n_mc) and eps (B*G, n_mc, ...). Reading 8: the paper shares one set within a group
+    (`--share-pairs group`, the default); its official code is reported to share one set over the whole batch and
+    all ranks (`--share-pairs batch`), which we could not check in that code."""
     n_sets = {"group": B, "batch": 1, "sample": B * G}[share]
     taus = stratified_times(grid, n_mc, n_sets, generator, stratified)       # (n_sets, J)
     eps = rearrange(noise_fn(n_sets * n_mc, generator), "(s j) ... -> s j ...", j=n_mc)  # (n_sets, J, ...)
@@ -252,8 +212,10 @@ def draw_pairs(grid: torch.Tensor, n_mc: int, B: int, G: int, noise_fn, share: s
 
 def x_predictions(adapter, net, o: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor, cond: dict) -> torch.Tensor:
     """[V-GRPO, ELBO surrogate] x_ij = (1 - t_j) o_i + t_j eps_j (the forward process applied to the sample) and
-    the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i); all n*J pairs in one forward (reading 7).
-    o (n, ...), taus (n, J), eps (n, J, ...) -> x_hat (n, J, ...) in float32."""
+    the x-prediction x_hat_ij = x_ij - t_j v(x_ij, t_j, c_i). o (n, ...), taus (n, J), eps (n, J, ...) -> x_hat
+    (n, J, ...) in float32. Reading 7: all n*J pairs go through one forward (the ratio couples them, so their
+    activations are alive together for one backward anyway); v is the adapter's, so with --guidance-scale > 1 on SD3
+    it is the CFG velocity (V-GRPO trains SD3.5 without CFG, the default)."""
     J = taus.shape[1]
     t = rearrange(taus, "i j -> (i j)")                                  # (n*J,) row i*J + j: pair j of sample i
     tb = t.view(-1, *([1] * (o.dim() - 1)))
@@ -265,7 +227,9 @@ def x_predictions(adapter, net, o: torch.Tensor, taus: torch.Tensor, eps: torch.
 def pair_losses(x_hat: torch.Tensor, o: torch.Tensor, self_normalize: bool = True) -> torch.Tensor:
     """[V-GRPO, adaptive weighting] l_ij = mean_D (x_hat_ij - o_i)^2 / sg(mean_D |x_hat_ij - o_i|).
     x - o = t (v* - v), so this is the v-loss weighted by t^2, self-normalised: the stop-gradient L1 makes
-    every pair's gradient of comparable size across samples and times (reading 2). (n, J)."""
+    every pair's gradient of comparable size across samples and times. (n, J). Reading 2: each evaluation of L
+    divides by its own detached L1, so rho = 1 exactly at theta = theta_old; the L1 is floored at 1e-12, so a pair
+    with x_hat == o gives 0, not NaN."""
     d = (x_hat - o.unsqueeze(1)).flatten(2)                              # (n, J, D)
     mse = d.pow(2).mean(2)
     if not self_normalize:
@@ -273,14 +237,16 @@ def pair_losses(x_hat: torch.Tensor, o: torch.Tensor, self_normalize: bool = Tru
     return mse / d.abs().mean(2).detach().clamp_min(1e-12)
 
 
-def clipped_objective(surrogate: torch.Tensor, surrogate_old: torch.Tensor, advantages: torch.Tensor,
-                      clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[V-GRPO, objective] rho_i = exp(L_i(theta_old) - L_i(theta)): log pi ~ -L, one ratio per sample with the
-    mean over pairs inside the exp. Returns the per-sample loss max(-A rho, -A clip(rho, 1 - e, 1 + e)) (the
-    negated PPO-clip objective, to minimise) and rho. (n,) each."""
-    ratio = torch.exp(surrogate_old - surrogate)
-    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
-    return pg, ratio
+def elbo_ratio(surrogate: torch.Tensor, surrogate_old: torch.Tensor) -> torch.Tensor:
+    """[V-GRPO, objective] rho_i = exp(L_i(theta_old) - L_i(theta)): log pi ~ -L, one ratio per sample with the mean
+    over pairs inside the exp. (n,)."""
+    return torch.exp(surrogate_old - surrogate)
+
+
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """[Flow-GRPO Eq. 5] The per-sample PPO-clip loss max(-A rho, -A clip(rho, 1 - e, 1 + e)): the negated clipped
+    objective, to minimise. (n,)."""
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
 
 
 def kl_to_old(x_hat: torch.Tensor, x_hat_old: torch.Tensor) -> torch.Tensor:
@@ -289,10 +255,11 @@ def kl_to_old(x_hat: torch.Tensor, x_hat_old: torch.Tensor) -> torch.Tensor:
     return (x_hat - x_hat_old).pow(2).flatten(2).mean(2).mean(1)
 
 
-def group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
-    """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,).
-    The std is the unbiased one of the DanceGRPO code (reading 7), of all the iteration's rewards on all ranks
-    (global_std) or of the group's own."""
+def unbiased_group_advantages(rewards: torch.Tensor, G: int, global_std: bool) -> torch.Tensor:
+    """[Flow-GRPO Eq. 4] (R - group mean) / (std + 1e-4) for rewards (N,) in groups of G consecutive rows -> (N,),
+    with the unbiased std of the FastVideo / DanceGRPO code V-GRPO builds on (flow_grpo.group_advantages: Flow-GRPO's
+    population std), of all the iteration's rewards on all ranks (global_std) or of the group's own (the default: the
+    paper's "group z-score")."""
     grouped = rearrange(rewards, "(b g) -> b g", g=G)
     std = common.all_gather_cat(rewards).std() if global_std else grouped.std(1, keepdim=True)
     return rearrange((grouped - grouped.mean(1, keepdim=True)) / (std + 1e-4), "b g -> (b g)")
@@ -367,7 +334,6 @@ def main(args: Args) -> dict:
         # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO, one action] ----
         # >>> shared: iteration-start
         tic = time.time()
-        work_before = common.work_snapshot(adapter, reward_fn, guard)
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
         records = batch[rt.rank * B:(rt.rank + 1) * B]     # (B,) this rank's prompts with their metadata
@@ -377,8 +343,7 @@ def main(args: Args) -> dict:
         cond = common.cond_repeat(adapter.encode(texts), G)
         transformer.eval()
         samples = []                                         # (N, ...) o_i
-        for i in range(0, N, mb):
-            loop.stop_if_signalled(it)                       # a signal drops the rollout
+        for i in loop.each(range(0, N, mb)):                # a signal stops the run here (README, Fork a method)
             samples.append(common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + mb)),
                                              adapter.noise(mb, gen), sigmas))
         samples = torch.cat(samples)
@@ -391,8 +356,7 @@ def main(args: Args) -> dict:
         taus, eps = draw_pairs(pair_grid, J, B, G, adapter.noise, args.share_pairs, args.stratified, pair_gen)
         surrogate_old, x_hat_old = [], []                    # (N,) and (N, J, ...)
         with torch.no_grad():
-            for i in range(0, N, mb):
-                loop.stop_if_signalled(it)
+            for i in loop.each(range(0, N, mb)):
                 idx = slice(i, i + mb)
                 x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], common.cond_select(cond, idx))
                 surrogate_old.append(pair_losses(x_hat, samples[idx], args.self_normalize).mean(1))
@@ -407,7 +371,7 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             images = torch.cat([adapter.decode(samples[i:i + mb]) for i in range(0, N, mb)])
             rewards, parts = reward_fn(images, [r["prompt"] for r in owners], owners, batch_size=mb)
-        advantages = reward_fn.advantages(parts, lambda r: group_advantages(r, G, args.global_std))
+        advantages = reward_fn.advantages(parts, lambda r: unbiased_group_advantages(r, G, args.global_std))
         if args.soft_clip > 0:
             advantages = soft_clip(advantages, args.soft_clip)
         else:
@@ -415,24 +379,27 @@ def main(args: Args) -> dict:
         t_reward = time.time() - tic
 
         # ---- 3c. Policy update: a clipped ratio per sample, KL to theta_old [V-GRPO, objective] ----
-        loop.stop_if_signalled(it)                           # before the first optimizer step: drop the rollout
         tic = time.time()
         transformer.train()
-        order = torch.randperm(N // mb, generator=gen)        # shuffle whole micro-batches: the first is on-policy
+        order = torch.randperm(N // mb, generator=gen)       # shuffle whole micro-batches: the first is on-policy
         stats = common.UpdateStats()
-        for u in range(args.updates_per_rollout):
-            n_step = it * args.updates_per_rollout + u + 1     # this optimizer step's number in the run, from 1
-            chunk = order[u * per_update:(u + 1) * per_update].tolist()
-            for m in chunk:
+        # reading 3: N_grad minibatches, one optimizer step each, as flow_grpo.py: every sample is trained once per
+        # iteration, so NFE_theta = N_MC per sample whatever N_grad (the paper's "4 per gradient step"); with N_grad
+        # = 1 the update is fully on-policy: rho = 1, the clip and KL inert, the gradient mean_i A_i grad L_i
+        for u in loop.each(range(args.updates_per_rollout)):  # a signal before the first optimizer step stops here
+            n_step = it * args.updates_per_rollout + u + 1    # this optimizer step's number in the run, from 1
+            minibatch = order[u * per_update:(u + 1) * per_update].tolist()  # the step's rollout micro-batches
+            for m in minibatch:
                 idx = slice(m * mb, (m + 1) * mb)
                 c, A = common.cond_select(cond, idx), advantages[idx]
-                with common.no_sync(net, m != chunk[-1]):     # the update's last backward all-reduces
+                with common.no_sync(net, m != minibatch[-1]):  # the step's last backward all-reduces
                     x_hat = x_predictions(adapter, net, samples[idx], taus[idx], eps[idx], c)     # (mb, J, ...)
                     surrogate = pair_losses(x_hat, samples[idx], args.self_normalize).mean(1)     # (mb,) L(theta)
-                    pg, ratio = clipped_objective(surrogate, surrogate_old[idx], A, args.clip_range)
+                    ratio = elbo_ratio(surrogate, surrogate_old[idx])
+                    pg = clipped_objective(ratio, A, args.clip_range)
                     kl = kl_to_old(x_hat, x_hat_old[idx]) if args.beta > 0 else torch.zeros_like(pg)
                     loss = (pg + args.beta * kl).mean()
-                    guard.backward(loss / len(chunk))
+                    guard.backward(loss / len(minibatch))
                 stats.add(loss=loss, pg_loss=pg.mean(), kl=kl.mean(), ratio_dev=(ratio - 1).abs().max(),
                           clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                           approx_kl=0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(), surrogate=surrogate.mean())
@@ -454,7 +421,7 @@ def main(args: Args) -> dict:
             **reward_fn.means(parts),
             "zero_std_frac": common.all_reduce_mean(zero_std).item(),
             "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-            **common.work_done(adapter, reward_fn, work_before, guard),
+            **loop.work(),                                   # the iteration's work: nfe_fwd, reward_calls, ...
         })
         # <<< shared: log
         # >>> shared: ratio-log

@@ -70,7 +70,7 @@ def main(args: Args) -> dict:
         metrics = loop.begin(it)
         if metrics is None:
             break
-        tic, work_before = time.time(), common.work_snapshot(adapter, reward_fn, guard)
+        tic = time.time()
         gen = common.make_generator(args.seed, rt.rank, it)
         records = common.sample_prompts(train_prompts, args.prompts_per_step,
                                         common.make_generator(args.seed, it))[rt.rank * B:(rt.rank + 1) * B]
@@ -78,20 +78,19 @@ def main(args: Args) -> dict:
         cond = common.cond_repeat(adapter.encode([r["prompt"] for r in records]), G)
         transformer.eval()
         finals = torch.cat([common.sample_ode(adapter, net, common.cond_select(cond, slice(i, i + mb)),
-                                              adapter.noise(mb, gen), sigmas) for i in range(0, N, mb)])
+                                              adapter.noise(mb, gen), sigmas) for i in loop.each(range(0, N, mb))])
         t_rollout, tic = time.time() - tic, time.time()
         with torch.no_grad():
             rewards, parts = reward_fn(adapter.decode(finals), [r["prompt"] for r in owners], owners, batch_size=mb)
         advantages = reward_fn.advantages(parts, lambda r: flow_grpo.group_advantages(r, G, False))
         r = (advantages.clamp(-args.adv_clip, args.adv_clip) / (2 * args.adv_clip) + 0.5).to(rt.device)  # in [0, 1]
         t_reward, tic = time.time() - tic, time.time()
-        loop.stop_if_signalled(it)
         transformer.train()
         stats = common.UpdateStats()
-        for u in range(args.updates_per_rollout):
+        for u in loop.each(range(args.updates_per_rollout)):
             n_step = it * args.updates_per_rollout + u + 1
-            chunk = list(range(u * per_update, (u + 1) * per_update))
-            for m in chunk:
+            minibatch = list(range(u * per_update, (u + 1) * per_update))
+            for m in minibatch:
                 idx = slice(m * mb, (m + 1) * mb)
                 x0, c = finals[idx], common.cond_select(cond, idx)
                 t = torch.rand(mb, generator=gen).to(rt.device)
@@ -99,11 +98,11 @@ def main(args: Args) -> dict:
                 xt = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * eps
                 with torch.no_grad(), old.swapped_in():
                     v_old = adapter.velocity(transformer, xt, t, c)
-                with common.no_sync(net, m != chunk[-1]):
+                with common.no_sync(net, m != minibatch[-1]):
                     v = adapter.velocity(net, xt, t, c)
                     loss = (r[idx] * flow_matching_error((1 - b) * v_old + b * v, eps - x0)
                             + (1 - r[idx]) * flow_matching_error((1 + b) * v_old - b * v, eps - x0)).mean()
-                    guard.backward(loss / len(chunk))
+                    guard.backward(loss / len(minibatch))
                 stats.add(loss=loss)
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)
             stats.stepped(grad_norm)
@@ -113,7 +112,7 @@ def main(args: Args) -> dict:
         metrics.update(stats.metrics())
         metrics.update({"reward_mean": common.all_reduce_mean(rewards.mean()).item(), **reward_fn.means(parts),
                         "t_rollout": t_rollout, "t_reward": t_reward, "t_update": t_update,
-                        **common.work_done(adapter, reward_fn, work_before, guard)})
+                        **loop.work()})
         loop.end(metrics)
     return loop.finish()
 

@@ -120,7 +120,7 @@ def z_score_by_hand(values):
 
 def test_single_granularity_reduces_to_the_group_advantage():
     r = torch.rand(2, 3, 5, 1, generator=torch.Generator().manual_seed(0))
-    A = g2rpo.mgai_advantages({"toy": r}, {"toy": 1.0}, adv_clip=5.0)
+    A = g2rpo.mgai_advantages(r)
     assert A.shape == (2, 3, 5)
     for b in range(2):
         for k in range(3):
@@ -130,23 +130,24 @@ def test_single_granularity_reduces_to_the_group_advantage():
 def test_advantages_are_summed_over_strides_hand_example():
     # G = 3 branches, stride 1 rewards (0, .5, 1) -> z (-1, 0, 1); stride 2 (1, 1, 0) -> (1, 1, -2) / sqrt(3)
     r = torch.tensor([[0.0, 1.0], [0.5, 1.0], [1.0, 0.0]]).view(1, 1, 3, 2)
-    A = g2rpo.mgai_advantages({"toy": r}, {"toy": 1.0}, adv_clip=5.0)
+    A = g2rpo.mgai_advantages(r)
     third = 1 / math.sqrt(3)
     assert A.flatten().tolist() == pytest.approx([-1 + third, third, 1 - 2 * third], abs=1e-6)
 
 
-def test_advantages_weights_clamp_and_flat_groups():
+def test_advantages_weights_and_flat_groups():
     one_hot = torch.zeros(40)
-    one_hot[0] = 1.0                                     # z = (1 - 1/40) / sqrt(1/40) = 6.17 > 5
+    one_hot[0] = 1.0                                     # z = (1 - 1/40) / sqrt(1/40) = 6.17 per stride
     flat = torch.full((40,), 0.5)                        # no signal: exactly zero advantage
     r = torch.stack([one_hot, one_hot], -1).view(1, 1, 40, 2)
-    assert g2rpo.mgai_advantages({"toy": r}, {"toy": 1.0}, 5.0)[0, 0, 0].item() == 5.0
+    assert g2rpo.mgai_advantages(r)[0, 0, 0].item() == pytest.approx(2 * 39 / 40 / math.sqrt(1 / 40), rel=1e-5)
     r_flat = torch.stack([flat, flat], -1).view(1, 1, 40, 2)
-    assert (g2rpo.mgai_advantages({"toy": r_flat}, {"toy": 1.0}, 5.0) == 0).all()
-    # two reward models: their z-scores are summed with the --reward weights
+    assert (g2rpo.mgai_advantages(r_flat) == 0).all()
+    # two reward models (--reward-norm per-reward, g2rpo's default): their z-scores summed with the --reward weights
     r1 = torch.tensor([0.0, 0.5, 1.0]).view(1, 1, 3, 1)
     r2 = torch.tensor([2.0, 0.0, 1.0]).view(1, 1, 3, 1)
-    A = g2rpo.mgai_advantages({"a": r1, "b": r2}, {"a": 1.0, "b": 0.5}, 5.0)
+    reward_fn = common.WeightedReward([("toy", 1.0), ("toy-soft", 0.5)], norm="per-reward")
+    A = reward_fn.advantages({"toy": r1, "toy-soft": r2}, g2rpo.mgai_advantages)
     assert A.flatten().tolist() == pytest.approx([-1 + 0.5, 0 - 0.5, 1 + 0], abs=1e-6)
 
 
