@@ -146,6 +146,23 @@ def test_what_a_method_does_not_log_is_not_applicable(monkeypatch, tmp_path):
     assert "first update on-policy" not in r
 
 
+@pytest.mark.parametrize("clip,fails", [("1e-4", False), ("4e-6", True)])
+def test_where_kernels_do_not_reproduce_the_rollout_the_runs_own_clip_range_judges(clip, fails, monkeypatch, tmp_path):
+    """On a device with no exact tolerance (a GPU; here ON_POLICY_TOL emptied), every recomputed log-prob shifted by
+    1e-5 (a first ratio of exp(1e-5), as kernels that do not reproduce the rollout): the deviation and the KL are
+    information, and clip_frac_first_update FAILs where the run's --clip-range is below the deviation (a recipe that
+    would clip from its first step), whatever the default clip range."""
+    monkeypatch.setattr(common, "ON_POLICY_TOL", {})
+    step_loss = flow_grpo.step_loss
+    monkeypatch.setattr(flow_grpo, "step_loss", lambda lp, *rest: step_loss(lp + 1e-5, *rest))
+    code, report = preflight([*TOY, "--clip-range", clip], tmp_path / "run")
+    r = rows(report)
+    assert r["ratio_dev_first_update"]["status"] == r["kl_first_update"]["status"] == "-"
+    assert float(r["ratio_dev_first_update"]["value"]) == pytest.approx(1e-5, rel=0.01)
+    assert r["clip_frac_first_update"]["status"] == ("FAIL" if fails else "PASS") and code == int(fails)
+    assert failed(report) == ({"clip_frac_first_update"} if fails else set())
+
+
 class Broken(Blind):
     def __call__(self, images, prompts, metadata=None):
         raise RuntimeError("the scorer's server answered 503")

@@ -1,6 +1,7 @@
 """Every trainer is a copy of flow_grpo.py: the blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME`
-must stay verbatim (like diffusers' "Copied from" check), trainers import only common, and stay readable.
-A trainer is any top-level .py file with the shared markers, so a forked method is checked without listing it."""
+must stay verbatim (like diffusers' "Copied from" check; `python tests/fix_copies.py FILE` brings them up to date),
+the functions they call must be defined, trainers import only common, and stay readable. A trainer is any top-level .py
+file with the shared markers, so a forked method is checked without listing it."""
 import ast
 import dataclasses
 import importlib
@@ -8,26 +9,17 @@ import re
 
 import pytest
 
+import fix_copies
 import helpers
 from helpers import ROOT
 
-SHARED = {"args", "validate", "setup-run", "setup-model", "setup-train", "loop", "iteration-start", "step", "log",
-          "loop-end"}
-# flow_grpo's blocks that a trainer may share or drop: its update (pro_grpo trains with it) and the metrics of a
-# likelihood ratio (a likelihood-free method has none)
-OPTIONAL = {"update", "ratio-log"}
+SHARED, OPTIONAL = set(fix_copies.SHARED), set(fix_copies.OPTIONAL)
 TRAINERS = [f"{name}.py" for name in helpers.TRAINERS]
 
 
 def shared_blocks(path) -> dict[str, str]:
     """NAME -> the text between its markers (a block may hold another: `step` lies in `update`)."""
-    text = path.read_text()
-    opened = re.findall(r"# >>> shared: ([\w-]+)\n", text)
-    assert len(set(opened)) == len(opened), f"{path.name}: a shared block opens twice: {opened}"
-    blocks = {name: re.search(rf"# >>> shared: {name}\n(.*?)# <<< shared: {name}\n", text, flags=re.S)
-              for name in opened}
-    assert all(blocks.values()) and text.count("# <<< shared: ") == len(opened), f"{path.name}: unbalanced markers"
-    return {name: m.group(1) for name, m in blocks.items()}
+    return fix_copies.shared_blocks(path.read_text())
 
 
 def test_trainers_are_found_by_their_markers(tmp_path):
@@ -52,7 +44,11 @@ def test_shared_blocks_are_verbatim_copies(name):
     ours, base = shared_blocks(ROOT / name), shared_blocks(ROOT / "flow_grpo.py")
     assert SHARED <= set(ours) <= SHARED | OPTIONAL
     for block in ours:
-        assert ours[block] == base[block], f"{name}: shared block '{block}' differs from flow_grpo.py"
+        assert ours[block] == base[block], f"{name}: shared block '{block}' differs from flow_grpo.py: run `python " \
+                                           f"tests/fix_copies.py {name}` (it rewrites the shared blocks from it)"
+    missing = fix_copies.missing_functions((ROOT / name).read_text(), (ROOT / "flow_grpo.py").read_text())
+    assert not missing, f"{name}: its shared blocks call {missing}, which it does not define: run `python " \
+                        f"tests/fix_copies.py {name}` (it adds flow_grpo.py's)"
 
 
 def test_pro_grpo_trains_with_flow_grpo_update():
@@ -117,3 +113,17 @@ def test_model_tables_hold_only_what_differs(name):
     table = text[text.index("MODEL_DEFAULTS = {"):text.index("\n}\n", text.index("MODEL_DEFAULTS = {"))]
     for line in table.splitlines()[1:]:
         assert line.count('": ') <= 1, f"{name}: one key per line in MODEL_DEFAULTS: {line.strip()}"
+
+
+def test_the_trainers_test_file_takes_its_trainer_from_its_own_name():
+    """tests/test_flow_grpo.py, which a fork copies as tests/test_<module>.py (README, Fork a method), names its trainer
+    nowhere in its code: TRAINER is its file's name less test_, so a copy under any name needs no edit, and its lines
+    keep their length (the lint's 120)."""
+    import io
+    import tokenize
+    text = (ROOT / "tests" / "test_flow_grpo.py").read_text()
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type in (tokenize.NAME,
+                                                                                             tokenize.STRING)]
+    assert tokens[0].type == tokenize.STRING and "flow_grpo" in tokens[0].string           # the docstring says so
+    assert not [t.string for t in tokens[1:] if "flow_grpo" in t.string]
+    assert 'TRAINER = Path(__file__).stem.removeprefix("test_")' in text
