@@ -485,8 +485,7 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
 
 def cpu_threads(threads: int | None = None):
     """A CPU run's intra-op threads: `threads`, else the cores this process may use shared among torchrun's ranks on
-    the machine, less those other processes keep busy (/proc/stat, each second as modules run): OpenMP's threads spin
-    while they wait, so a thread whose core another process holds stalls every parallel region (README, Set-up)."""
+    the machine, less those other processes keep busy (/proc/stat, each second as modules run; README, Threads)."""
     while _BALANCE:
         _BALANCE.pop().hook.remove()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
@@ -633,8 +632,8 @@ _SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
-    """The first SIGTERM / SIGINT asks for a checkpoint and stop (cutting an `interruptible` block short), a second
-    ends the process at once."""
+    """The first SIGTERM / SIGINT asks for a checkpoint and stop (or cuts an `interruptible` block short), a second ends
+    the process at once."""
     name = signal.Signals(signum).name
     if _SIGNALLED["signum"]:  # a second signal: stop now
         print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)
@@ -708,11 +707,6 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
 
 
 # Collectives: each is the identity (or a no-op) on one process.
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def broadcast_object(obj):
     """Rank 0's `obj` on every rank."""
     if not dist.is_initialized():
@@ -772,8 +766,7 @@ def micro_batches_per_update(n: int, micro_batch: int, updates: int,
 
 
 def setup_training(args) -> Runtime:
-    """Checks, before a model loads, what the flags' bounds (cli) do not: the model, weights and reward (check_model),
-    --wandb, then after setup_runtime the flags that depend on the number of ranks."""
+    """Checks before a model loads what the flags' bounds (cli) do not, then those that depend on the ranks."""
     if args.lora_rank:
         check_flag("lora_alpha", args.lora_alpha, at_least=1e-12)
     check_model(args.model, args.model_path, args.reward)
@@ -830,19 +823,10 @@ def check_model(name: str, path: str | None, reward: str | None = None):
 
 
 class TrainingLoop:
-    """What a trainer's loop does around its method: the clock, evaluations, the log, checkpoints, the work counts and
-    the signal checks (README, Outputs and metrics). It loads --resume's checkpoint into params, optimizer, EMA, the
-    guard's loss scale and `extra_state` (name -> tensor or list of tensors: the method's own), and saves them alike.
-
-        for it in range(run.start, args.iterations + 1):
-            metrics = loop.begin(it)        # None: the last line is logged
-            if metrics is None:
-                break
-            for i in loop.each(range(0, N, mb)):   # the method: rollout, rewards, update, metrics.update(...)
-                ...
-            loop.end(metrics)
-        return loop.finish()
-    """
+    """What a trainer's loop does around its method (the shared `loop` and `loop-end` blocks): the clock, evaluations,
+    the log, checkpoints, the work counts and the signal checks (README, Outputs and metrics). It loads --resume's
+    checkpoint into params, optimizer, EMA, the guard's loss scale and `extra_state` (name -> tensor or list of
+    tensors: the method's own), and saves them alike."""
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
@@ -856,7 +840,10 @@ class TrainingLoop:
         if rt.is_main:  # the first write: every check before it has passed
             run.log_start()
         self.t0 = time.time() - elapsed
-        self.logger = Logger(run.dir, rt.is_main, wandb_config=dataclasses.asdict(args) if args.wandb else None)
+        self.wandb = None
+        if rt.is_main and args.wandb:
+            import wandb
+            self.wandb = wandb.init(project="flow-rl", config=dataclasses.asdict(args), name=run.dir.name)
         self.it, self.metrics, self.dirty = run.start, {}, False
         optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
         TrainingLoop.active = self
@@ -872,9 +859,8 @@ class TrainingLoop:
                                self.scaler)
 
     def each(self, items, count: str | None = None):
-        """The items of a loop of the rollout or update, each after a check for SIGTERM / SIGINT on any rank: it stops
-        the run with the iteration's starting state saved, or, once the update has stepped, at the iteration's end.
-        With `count`, the transformer rows the loop ran without grad are logged under that key (g2rpo's nfe_anchor)."""
+        """The items of a rollout or update loop, each after a check for SIGTERM / SIGINT on any rank (README, Fork a
+        method); `count`: the loop's transformer rows without grad are logged under that key (g2rpo's nfe_anchor)."""
         before = work_snapshot(self.adapter, self.reward_fn, self.guard)
         for item in items:
             self.stop_if_signalled(self.it)
@@ -928,6 +914,21 @@ class TrainingLoop:
                               (f"the newest checkpoint is {newest.name}, continue with --resume {self.run.dir}"
                                if newest else "there is no checkpoint yet: start over in a new --output-dir"))
 
+    def log(self, metrics: dict):
+        """Rank 0: the line in metrics.jsonl (NaN, inf: null), on stdout above the progress bar, in W&B if asked."""
+        if not self.rt.is_main:
+            return
+        metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
+                   for k, v in metrics.items()}
+        append_line(self.run.dir / "metrics.jsonl", metrics)
+        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
+        from tqdm import tqdm
+        with tqdm.external_write_mode():  # above the progress bar
+            print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
+                                                              if isinstance(metrics.get(k), (int, float))))
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
     def evaluate(self, it: int) -> dict:
         """Held-out evaluation (of the EMA weights, if kept) and its grid eval_NNNNNN.png, off the clock."""
         a, tic = self.args, time.time()
@@ -955,13 +956,13 @@ class TrainingLoop:
         if self.rt.distributed and not a.fsdp:
             self.metrics["rank_param_diff"] = rank_param_diff(self.params)
         self.metrics["time_s"] = self.seconds()
-        self.logger.log(self.metrics)
+        self.log(self.metrics)
         return None
 
     def end(self, metrics: dict):
         """Logs the iteration's line and checkpoints every --save-every iterations."""
         metrics["time_s"] = self.seconds()
-        self.logger.log(metrics)
+        self.log(metrics)
         done, a = self.it + 1, self.args
         if a.save_every and done % a.save_every == 0 and done < a.iterations:
             self.save(done)
@@ -970,8 +971,8 @@ class TrainingLoop:
         """The final checkpoint; returns the last metrics line."""
         self.save(self.it)
         _release_folder()
-        if self.logger.wandb is not None:
-            self.logger.wandb.finish()
+        if self.wandb is not None:
+            self.wandb.finish()
         return self.metrics
 
 
@@ -984,8 +985,7 @@ def finite(tensors, device) -> bool:
 
 
 def instrument(adapter):
-    """Counts in `adapter.counts` the transformer's rows with and without grad and the decodes (README, Metrics); a
-    module hook, so a frozen copy made later counts too."""
+    """Counts the transformer's rows with and without grad and the decodes in `adapter.counts` (README, Metrics)."""
     counts = adapter.counts = collections.Counter()
 
     def hook(module, args, kwargs, out):
@@ -1061,8 +1061,7 @@ class Run:
 
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
     """Decides the run folder and the checkpoint --resume continues before any model loads, and claims the folder
-    until the run ends (rank 0 decides; every rank gets its answer or its UsageError). A run folder only grows, so a
-    run continues in place only from its newest checkpoint (README, Outputs and metrics)."""
+    until the run ends (rank 0 decides; every rank gets its answer or its UsageError; README, Outputs and metrics)."""
     meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "ema": args.ema}
     run = None
@@ -1268,8 +1267,7 @@ def one_line(e: BaseException) -> str:
 
 def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict | None = None, scaler=None) -> dict:
     """What torch.distributed.checkpoint saves and loads in place, in either layout (plain tensors or FSDP2 shards):
-    trainable tensors by position, their AdamW state (unless `optimizer` is None: not yet stepped), the EMA's shadow,
-    the method's `extra_state`, fp16's GradScaler state (scale, growth tracker)."""
+    trainable tensors by position, their AdamW state (if stepped), the EMA's shadow, `extra_state`, the GradScaler."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
     state = {"params": get_model_state_dict(holder)}
@@ -1302,7 +1300,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     if rt.is_main:
         os.replace(tmp, final)
         write_atomic(final.parent / "latest", final.name)
-    barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return final
 
 
@@ -1394,32 +1393,7 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     return float(info["elapsed"])
 
 
-# ---- 9. Logging and labelled image grids ----
-class Logger:
-    """Main process only: an iteration's JSON line in metrics.jsonl (NaN, inf: null), on stdout, in W&B if asked."""
-
-    def __init__(self, run_dir: Path, is_main: bool, wandb_config: dict | None = None):
-        self.is_main, self.run_dir, self.wandb = is_main, Path(run_dir), None
-        self.path = self.run_dir / "metrics.jsonl"
-        if is_main and wandb_config is not None:
-            import wandb
-            self.wandb = wandb.init(project="flow-rl", config=wandb_config, name=self.run_dir.name)
-
-    def log(self, metrics: dict):
-        if not self.is_main:
-            return
-        metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
-                   for k, v in metrics.items()}
-        append_line(self.path, metrics)
-        keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
-        from tqdm import tqdm
-        with tqdm.external_write_mode():  # above the progress bar
-            print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
-                                                              if isinstance(metrics.get(k), (int, float))))
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
-
-
+# ---- 9. Logging (TrainingLoop.log) and labelled image grids ----
 def append_line(path: Path, record: dict):
     """Appends `record` as one strict JSON line, after ending a line a kill cut short; a failed write is undone."""
     line = json.dumps(record, allow_nan=False).encode() + b"\n"
@@ -1496,10 +1470,9 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the ODE sampler, split over ranks. Image i has prompt i mod len(records) and noise
-    seeded by (seed, i): the same result for any number of ranks or batch size. Returns (metrics, rows): eval_reward
-    (the weighted sum's mean), eval_<name> per scorer, each with eval_..._se (sample std / sqrt(n)), eval_accuracy
-    with `accuracy_fn`; on every rank [(prompt, images (n, 3, H, W))], grid[0] prompts of up to grid[1] images."""
+    """Held-out evaluation with the ODE sampler, split over ranks: image i has prompt i mod len(records) and noise
+    seeded by (seed, i), the same for any number of ranks or batch size. Returns (metrics, rows): eval_reward,
+    eval_<name>, their _se and eval_accuracy (README, Metrics); [(prompt, images (n, 3, H, W))], the grid's rows."""
     sigmas = adapter.sigmas(steps)
     names = list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
@@ -2044,8 +2017,7 @@ class FluxFamilyAdapter:
 
 
 class PipelineAdapter:
-    """What FLUX and SD3 share: a diffusers pipeline, every module frozen by _freeze_pipeline until add_lora makes
-    the transformer (or its LoRA) trainable."""
+    """What FLUX and SD3 share: a diffusers pipeline, every module frozen (_freeze_pipeline) until add_lora."""
 
     def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
                  offload_encoders: bool):
@@ -2057,15 +2029,15 @@ class PipelineAdapter:
 
     @contextlib.contextmanager
     def encoders_on_device(self):
-        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL alone is
-        9.5 GB in bf16)."""
-        encoders = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None]
-        for m in encoders if self.offload_encoders else []:
+        """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL: 9.5 GB in bf16)."""
+        moved = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None
+                 and self.offload_encoders]
+        for m in moved:
             m.to(self.device)
         try:
             yield
         finally:
-            for m in encoders if self.offload_encoders else []:
+            for m in moved:
                 m.to("cpu")
 
     def vae_decode(self, latents):
@@ -2219,12 +2191,14 @@ CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large
 
 
 class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel."""
+    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel; the class's
+    model_id and processor_id (the model's own if None) unless given."""
 
-    divisor = 1.0
+    divisor, model_id, processor_id = 1.0, CLIP_L, None
 
-    def __init__(self, model_id: str, processor_id: str | None = None, device="cpu", dtype=torch.float32):
+    def __init__(self, model_id: str | None = None, processor_id: str | None = None, device="cpu", dtype=torch.float32):
         from transformers import CLIPProcessor
+        model_id, processor_id = model_id or self.model_id, processor_id or self.processor_id
         processor = CLIPProcessor.from_pretrained(processor_id or model_id)
         self.tokenizer, self.image_config = processor.tokenizer, processor.image_processor.to_dict()
         self.model = self._load(model_id, processor_id, dtype).eval().requires_grad_(False).to(device)
@@ -2258,10 +2232,7 @@ class PickScore(_CLIPSimilarity):
     """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
     (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
 
-    divisor = 26.0
-
-    def __init__(self, model_id="yuvalkirstain/PickScore_v1", processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, processor_id, device, dtype)
+    divisor, model_id, processor_id = 26.0, "yuvalkirstain/PickScore_v1", CLIP_H
 
 
 class CLIPScore(_CLIPSimilarity):
@@ -2269,23 +2240,18 @@ class CLIPScore(_CLIPSimilarity):
 
     divisor = 30.0
 
-    def __init__(self, model_id=CLIP_L, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, None, device, dtype)
-
 
 class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text) as hpsv2 scores it, no logit
-    scale (typical values 0.2-0.35). Its open_clip checkpoint runs as a transformers CLIPModel (openclip_model: the
-    open_clip package needs torchvision) with CLIP-H's config, tokenizer and image statistics (processor_id). The
-    images are preprocessed as the hpsv2 package does: the longer side resized to 224, black padding to a square,
-    normalised (resize_max_size; the package resizes the 8-bit PIL image, here the float images are resized)."""
+    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text), no logit scale, its open_clip
+    checkpoint as a transformers CLIPModel of CLIP-H's config (openclip_model: open_clip needs torchvision); images
+    preprocessed as the hpsv2 package does (resize_max_size, on the float images rather than 8-bit PIL ones)."""
 
+    model_id, filename, processor_id = "xswu/HPSv2", "HPS_v2.1_compressed.pt", CLIP_H
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
 
-    def __init__(self, model_id="xswu/HPSv2", filename="HPS_v2.1_compressed.pt",
-                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        self.filename = filename
-        super().__init__(model_id, processor_id, device, dtype)
+    def __init__(self, model_id: str | None = None, filename: str | None = None, **kwargs):
+        self.filename = filename or self.filename
+        super().__init__(model_id, **kwargs)
 
     def _load(self, model_id: str, processor_id: str | None, dtype: torch.dtype):
         return openclip_model(hub_file(model_id, self.filename), processor_id, self.quick_gelu, dtype)
@@ -2298,18 +2264,15 @@ class HPSv2(_CLIPSimilarity):
 
 
 class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (apple/DFN5B-CLIP-ViT-H-14, open_clip ViT-H-14 with QuickGELU): cos(image, text), no logit
-    scale, the papers' CLIP reward (README, Rewards; typical values 0.3-0.4; this is the 224 px checkpoint, one
-    published script names the 378 px one). Loaded as HPSv2 is, with the CLIP-H tokenizer and the
-    preprocessing of the open_clip config's resize_mode "squash": a bicubic resize to 224 x 224, no crop (on float
-    images, as HPSv2's)."""
+    """DFN5B CLIP-H (open_clip ViT-H-14 with QuickGELU, the 224 px checkpoint): cos(image, text), no logit scale, the
+    papers' CLIP reward (README, Rewards), loaded as HPSv2, preprocessed as its open_clip config's resize_mode "squash":
+    a bicubic resize to 224 x 224, no crop."""
 
-    quick_gelu = True
+    model_id, filename, quick_gelu = "apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin", True
     preprocess = _CLIPSimilarity.preprocess
 
-    def __init__(self, model_id="apple/DFN5B-CLIP-ViT-H-14", filename="open_clip_pytorch_model.bin",
-                 processor_id=CLIP_H, device="cpu", dtype=torch.float32):
-        super().__init__(model_id, filename, processor_id, device, dtype)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         side = self.image_config["crop_size"]["height"]
         self.image_config["size"] = {"height": side, "width": side}
 
@@ -2359,9 +2322,8 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 
 class OCRScore:
-    """ocr_reward(the text read in each image, its prompt); a failed read raises, never a silent 0. `last_texts`
-    holds the texts of the last call. The reader is GOT-OCR 2.0 (in transformers, 561M parameters) in place of the
-    official PaddleOCR, reading greedily up to max_new_tokens (got_ocr_read)."""
+    """ocr_reward(the text read in each image, its prompt), read by GOT-OCR 2.0 (transformers, 561M parameters) in
+    place of the official PaddleOCR (got_ocr_read); a failed read raises, never a 0; `last_texts`: the last call's."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -2384,9 +2346,8 @@ class OCRScore:
 
 
 class ImageRewardScore:
-    """ImageReward v1.0 (BLIP with a reward head trained on human rankings), its raw score (about -2 to 2) through
-    the `image-reward` package, one image at a time. The package needs transformers<4.56 and torchvision, so it is
-    served from an environment of its own (`python common.py serve-reward`, README, Rewards)."""
+    """ImageReward v1.0's raw score through the `image-reward` package, one image at a time; it needs transformers<4.56
+    and torchvision, so it is served from an environment of its own (`python common.py serve-reward`, README)."""
 
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
@@ -2482,9 +2443,8 @@ def pil_images(images: torch.Tensor) -> list:
 
 
 def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
-    """CLIPImageProcessor's steps on [0, 1] tensors, on their device, from its to_dict() config: bicubic antialiased
-    resize (to height x width, or of the shortest side with the long one truncated), centre crop (floor offsets,
-    as transformers), normalise by image_mean / image_std."""
+    """CLIPImageProcessor's steps on [0, 1] tensors on their device, from its to_dict() config: bicubic antialiased
+    resize (to height x width, or of the shortest side), centre crop (floor offsets, as transformers), normalise."""
     x, size, crop = images.float(), config["size"], config["crop_size"]
     if size.get("height") is not None:
         size = (size["height"], size["width"])
@@ -2497,9 +2457,8 @@ def clip_preprocess(images: torch.Tensor, config: dict) -> torch.Tensor:
 
 
 def resize_max_size(images: torch.Tensor, size: int) -> torch.Tensor:
-    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the
-    longer side to `size` and the other to round(side * scale), then zeros padded to size x size around the centre
-    (the odd pixel at the bottom / right)."""
+    """open_clip's ResizeMaxSize (hpsv2's preprocessing) on [0, 1] tensors: a bicubic antialiased resize of the longer
+    side to `size`, the other to round(side * scale), then zeros padded around it to size x size (odd: bottom right)."""
     (h, w), scale = images.shape[-2:], size / max(images.shape[-2:])
     new = (round(h * scale), round(w * scale))
     x = F.interpolate(images.float(), size=new, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
@@ -2532,9 +2491,8 @@ _OPENCLIP_BLOCK = {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_p
 
 
 def openclip_to_clip(state_dict: dict) -> dict:
-    """An open_clip CLIP (ViT image tower, text tower at the root) state dict as transformers CLIPModel's: packed
-    in_proj [q; k; v] rows split, `x @ proj` matrices transposed into Linear weights, a `module.` prefix dropped. A
-    key it does not know keeps its name, for openclip_model's one check of every key to name."""
+    """An open_clip CLIP state dict as transformers CLIPModel's: packed in_proj [q; k; v] rows split, `x @ proj`
+    matrices transposed into Linear weights, `module.` dropped; an unknown key keeps its name (for openclip_model)."""
     out = {}
     for key, value in state_dict.items():
         name = key.removeprefix("module.")
@@ -2552,9 +2510,8 @@ def openclip_to_clip(state_dict: dict) -> dict:
 
 
 def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
-    """The open_clip checkpoint at `path` (bare tensors, or {"state_dict": ...} as HPS saves them; weights_only runs
-    no pickled code) as a transformers CLIPModel of `config_id`'s architecture (QuickGELU if `quick_gelu`). Every
-    weight must come from the checkpoint: a missing or extra one is a ValueError naming it."""
+    """The open_clip checkpoint at `path` (tensors, or {"state_dict": ...} as HPS saves them; weights_only) as a
+    transformers CLIPModel of `config_id`'s architecture; a weight missing or extra is a ValueError naming it."""
     from transformers import CLIPConfig, CLIPModel
     state = torch.load(path, map_location="cpu", weights_only=True)
     weights = openclip_to_clip(state.get("state_dict", state))
@@ -2588,9 +2545,8 @@ def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
 
 
 def got_ocr_read(processor, model, images: torch.Tensor, max_new_tokens: int) -> list[str]:
-    """GOT-OCR 2.0's greedy, batched read of images (N,3,H,W) in [0, 1] (8-bit pixels through the PIL backend, the
-    same with or without torchvision), up to max_new_tokens or <|im_end|> / <|endoftext|>, passed explicitly: the
-    checkpoint's generation config sets no end token."""
+    """GOT-OCR 2.0's greedy, batched read of images (N,3,H,W) in [0, 1] (8-bit, PIL backend), up to max_new_tokens or
+    <|im_end|> / <|endoftext|>, passed explicitly: the checkpoint's generation config sets no end token."""
     tok = processor.tokenizer
     stop = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
             if i is not None and i != tok.unk_token_id]
@@ -2632,7 +2588,7 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
                 raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
             if rec.get("split", "train") not in ("train", "eval"):
                 raise UsageError(f"{path}:{n} has split {rec['split']!r}: use 'train' or 'eval' (or leave it out)")
-        if model == "toy" and not all(toy_parse_or_none(rec["prompt"])):  # checked now, not when the reward runs
+        if model == "toy" and not all(toy_parse(rec["prompt"], strict=False)):  # checked now, not when the reward runs
             raise UsageError(f"{path}:{n}: {rec['prompt']!r} is not a toy prompt: name one of the colours "
                              f"{list(TOY_COLORS)} and one of the shapes {list(TOY_SHAPES)}")
         recs.append(rec)
@@ -2712,17 +2668,13 @@ def toy_prompt(color: str, shape: str) -> str:
     return f"a {color} {shape}"
 
 
-def toy_parse_or_none(prompt: str) -> tuple[str | None, str | None]:
-    """The first colour and shape word of a prompt, each None if absent."""
+def toy_parse(prompt: str, strict: bool = True) -> tuple[str | None, str | None]:
+    """The first colour and shape word of a prompt, each None if absent (strict: a ValueError)."""
     words = prompt.lower().split()
-    return next((w for w in words if w in TOY_COLORS), None), next((w for w in words if w in TOY_SHAPES), None)
-
-
-def toy_parse(prompt: str) -> tuple[str, str]:
-    color, shape = toy_parse_or_none(prompt)
-    if color is None or shape is None:
-        raise ValueError(f"toy prompt {prompt!r} must name one of the colours {list(TOY_COLORS)} "
-                         f"and one of the shapes {list(TOY_SHAPES)}")
+    color, shape = next((w for w in words if w in TOY_COLORS), None), next((w for w in words if w in TOY_SHAPES), None)
+    if strict and (color is None or shape is None):
+        raise ValueError(f"toy prompt {prompt!r} must name one of the colours {list(TOY_COLORS)} and one of the "
+                         f"shapes {list(TOY_SHAPES)}")
     return color, shape
 
 
@@ -2743,11 +2695,6 @@ def toy_coverage(shape: str, half: float, size: int = TOY_SIZE, supersample: int
     else:
         raise ValueError(f"unknown toy shape {shape!r}")
     return m.reshape(size, supersample, size, supersample).mean((1, 3))
-
-
-def toy_render(color: str, shape: str, half: float) -> np.ndarray:
-    """(3, 16, 16) float32 image in [0, 1]: an anti-aliased shape on black."""
-    return (np.asarray(TOY_COLORS[color], np.float32)[:, None, None] * toy_coverage(shape, half)).astype(np.float32)
 
 
 def _toy_templates(halves) -> np.ndarray:
@@ -2798,15 +2745,13 @@ _TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COL
 
 
 def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """toy_reward made continuous, like a preference model's score: 0.5 colour + 0.5 shape, each in [0, 1].
-    (N,) float32. With x clamped to [0, 1] and its soft foreground w = the brightest channel per pixel (every
-    palette colour is drawn at full brightness, so w is the shape's coverage):
-      colour = max(0, 1 - |c_hat - c| / d): c_hat = sum_p x_p w_p / sum_p w_p^2 explains x as c_hat * w (least
-               squares), c is the prompt's colour, d = 1 the smallest gap between palette colours;
-      shape  = max(0, (IoU - 0.5) / 0.5): the best soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the
-               prompt's shape m at the drawn sizes; at 0.5 or less toy_classify recognises no shape either.
-    A render of the target scores 0.98 to 1, a circle asked to be a square 0.84, the right shape in another
-    palette colour 0.5, a blank image 0. About 3x cheaper than toy_reward."""
+    """toy_reward made continuous, like a preference model's score: 0.5 colour + 0.5 shape, each in [0, 1]. (N,).
+    With w the brightest channel per pixel (the shape's coverage: every palette colour is drawn at full brightness):
+      colour = max(0, 1 - |c_hat - c| / d), c_hat = sum_p x_p w_p / sum_p w_p^2 (x = c_hat w, least squares), c the
+               prompt's colour, d = 1 the smallest gap between palette colours;
+      shape  = max(0, (IoU - 0.5) / 0.5), the best soft IoU sum_p min(w_p, m_p) / sum_p max(w_p, m_p) with the
+               prompt's shape m at the drawn sizes (at 0.5 or less toy_classify sees no shape either).
+    A render of the target scores 0.98 to 1, a circle asked to be a square 0.84, another colour 0.5, a blank 0."""
     target = [toy_parse(p) for p in prompts]
     x = images.detach().float().cpu().nan_to_num(0.0).clamp(0, 1).flatten(2)           # (N, 3, P)
     w = x.amax(1)                                                                       # (N, P)
@@ -2840,13 +2785,8 @@ class ToyTokenizer:
         return ids, (ids != self.pad_id).long()
 
 
-def toy_pack(images: torch.Tensor) -> torch.Tensor:
-    """(B, 3, 16, 16) in [0, 1] -> (B, 64, 12) tokens in [-1, 1]: 2x2 patches, as FLUX packs latents."""
-    return rearrange(images * 2 - 1, "b c (h p) (w q) -> b (h w) (c p q)", p=2, q=2)
-
-
 def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
-    """Inverse of toy_pack, back to [0, 1] (clamped)."""
+    """Tokens (B, 64, 12) in [-1, 1], 2x2 patches as FLUX packs latents, back to images (B, 3, 16, 16) in [0, 1]."""
     x = rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2)
     return ((x + 1) / 2).clamp(0, 1)
 
@@ -2888,9 +2828,8 @@ class ToyAdapter(FluxFamilyAdapter):
 
 
 # ---- Appendix B. Offline pipelines: the real classes with random weights ----
-# --model-path random / random:N builds the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from
-# assets/architectures/<family>/, laid out as their hub repositories without weights; its tokenizers know a few words
-# and spell the rest in characters (prompts are padded to the maximum length, so sequence lengths are the real ones).
+# --model-path random / random:N: the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from their hub
+# folders without weights, assets/architectures/<family>/ (small tokenizers; prompts padded to the real lengths).
 ARCHITECTURES = ASSETS / "architectures"
 
 
@@ -2951,6 +2890,8 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         if t.is_floating_point():  # tensor by tensor: no round trip, and diffusers' no-op cast warning never raised
             t.data = t.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
     return module
+
+
 if __name__ == "__main__":
     commands = {"serve-reward": serve_reward, "evaluate": evaluate_main,  # fetch-prompts NAME ...: for offline runs
                 "fetch-prompts": lambda names: [print(n, "prompts, train and held out:", *map(len, load_prompts(

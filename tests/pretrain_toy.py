@@ -13,10 +13,23 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+
+
+def toy_render(color: str, shape: str, half: float) -> np.ndarray:
+    """(3, 16, 16) float32 image in [0, 1]: an anti-aliased shape on black."""
+    coverage = common.toy_coverage(shape, half)
+    return (np.asarray(common.TOY_COLORS[color], np.float32)[:, None, None] * coverage).astype(np.float32)
+
+
+def toy_pack(images: torch.Tensor) -> torch.Tensor:
+    """(B, 3, 16, 16) in [0, 1] -> (B, 64, 12) tokens in [-1, 1]: 2x2 patches, as FLUX packs latents (common.toy_unpack
+    inverts it)."""
+    return rearrange(images * 2 - 1, "b c (h p) (w q) -> b (h w) (c p q)", p=2, q=2)
 
 
 def build_toy_modules(seed: int = 0):
@@ -88,8 +101,8 @@ def pretrain_toy(argv=None):
     for step in bar:
         idx = rng.integers(len(seen), size=a.batch_size)
         halves = rng.uniform(*common.TOY_HALF_SIZE, size=a.batch_size)
-        imgs = torch.from_numpy(np.stack([common.toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
-        x0 = common.toy_pack(imgs)
+        imgs = torch.from_numpy(np.stack([toy_render(*seen[i], h) for i, h in zip(idx, halves)]))
+        x0 = toy_pack(imgs)
         cond = adapter.encode([common.toy_prompt(*seen[i]) for i in idx])
         t = torch.sigmoid(torch.randn(a.batch_size))  # logit-normal times, as SD3 pre-training
         eps = torch.randn_like(x0)

@@ -9,10 +9,11 @@ import torch
 
 import common
 import helpers
+import pretrain_toy
 
 
 def _renders(pairs, halves=(0.28, 0.34, 0.40)):
-    imgs = [common.toy_render(c, s, h) for c, s in pairs for h in halves]
+    imgs = [pretrain_toy.toy_render(c, s, h) for c, s in pairs for h in halves]
     prompts = [common.toy_prompt(c, s) for c, s in pairs for _ in halves]
     return torch.from_numpy(np.stack(imgs)), prompts
 
@@ -43,7 +44,7 @@ def test_toy_split_holds_out_ten_pairs_each_colour_seen_twice():
 
 def test_toy_pack_roundtrip_and_tokenizer():
     imgs, _ = _renders([("blue", "cross")])
-    torch.testing.assert_close(common.toy_unpack(common.toy_pack(imgs)), imgs)
+    torch.testing.assert_close(common.toy_unpack(pretrain_toy.toy_pack(imgs)), imgs)
     tok = common.ToyTokenizer()
     ids, mask = tok(["a red circle", "a magenta blob"])
     assert tok.eos_id != 2 and ids[0, 4] == tok.eos_id and ids[1, 2] == tok.unk_id
@@ -54,7 +55,7 @@ def test_toy_packing_is_fluxs_latent_packing():
     """The toy packs pixels into tokens exactly as FluxPipeline packs latents (the shipped weights depend on it)."""
     from diffusers import FluxPipeline
     imgs = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(common.toy_pack(imgs), FluxPipeline._pack_latents(imgs * 2 - 1, 2, 3, 16, 16))
+    assert torch.equal(pretrain_toy.toy_pack(imgs), FluxPipeline._pack_latents(imgs * 2 - 1, 2, 3, 16, 16))
     tokens = torch.randn(2, 64, 12, generator=torch.Generator().manual_seed(1))
     unpacked = FluxPipeline._unpack_latents(tokens, 16, 16, 1)
     assert torch.equal(common.toy_unpack(tokens), ((unpacked + 1) / 2).clamp(0, 1))

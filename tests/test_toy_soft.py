@@ -6,13 +6,14 @@ import torch
 
 import common
 import flow_grpo
+import pretrain_toy
 from helpers import SMALL, read_metrics, run
 
 soft = common.toy_soft_reward
 
 
 def render(color, shape, half=0.34, scale=1.0):
-    return torch.from_numpy(common.toy_render(color, shape, half))[None] * scale
+    return torch.from_numpy(pretrain_toy.toy_render(color, shape, half))[None] * scale
 
 
 def test_renders_score_near_one_and_the_template_sizes_exactly_one():
