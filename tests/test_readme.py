@@ -121,3 +121,67 @@ def test_every_logged_metric_is_documented_and_every_documented_one_logged(train
     used = {explained_by(k, entries) for k in keys}
     unused = sorted(entries - used - SPECIAL_CASES)
     assert not unused, f"README.md documents {unused} for {trainer}, which it does not log"
+
+
+# ---- the reader's part, then the reference ----
+def slug(heading: str) -> str:
+    """The anchor a markdown renderer gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_is_a_part_to_read_then_a_reference_with_contents_pointing_into_both():
+    heads = [line for line in README.splitlines() if line.startswith("## ")]
+    reference = [h for h in heads if h.startswith("## Reference")]
+    assert len(reference) == 1 and heads[-1] == reference[0], "one level-2 Reference heading, last; its sections ###"
+    reading, _ = README.split(reference[0] + "\n")
+    assert len(reading.splitlines()) <= 250 and len(README.splitlines()) <= 560
+    contents = reading[:reading.index("\n## ")]
+    sections = [h for h in README.splitlines() if h.startswith(("## ", "### "))]
+    missing = [h for h in sections if f"(#{slug(h)})" not in contents and h not in reference]
+    assert not missing, f"the contents at the top do not point to {missing}"
+    anchors = {slug(h) for h in README.splitlines() if h.startswith("#")}
+    assert set(re.findall(r"\]\(#([\w-]+)\)", README)) <= anchors, "a link points to no heading"
+    wide = [line for line in reading.splitlines() if line.startswith("|") and len(line) > 120]
+    assert not wide, f"a table of the reading part does not fit a terminal: {wide[0]}"
+
+
+GLOSSARY = ["CPS", "Flow-GRPO-Fast", "SDE window", "OVF", "MGAI", "ELBO surrogate", "toy-soft", "shared block",
+            "rollout", "advantage", "clip range", "micro-batch", "minibatch", "on-policy"]
+
+
+@pytest.mark.parametrize("term", GLOSSARY)
+def test_a_word_is_defined_in_words_before_it_is_used(term):
+    """The first use of each of these words is the line of README.md's Words that defines it (in bold)."""
+    lines = README.splitlines()
+    first = next(i for i, line in enumerate(lines) if re.search(rf"\b{re.escape(term)}\b", line, flags=re.I))
+    defining = next(i for i, line in enumerate(lines) if f"**{term.lower()}" in line.lower())
+    assert first == defining > lines.index("## Words"), f"{term!r} is used on line {first + 1} before Words defines it"
+
+
+def test_the_fork_checklist_quotes_flow_grpo():
+    """Each duty of an update of one's own cites the line of flow_grpo.py that does it, verbatim."""
+    flow = (ROOT / "flow_grpo.py").read_text()
+    items = re.findall(r"^ *- \[ \] (.*?)(?=^ *- \[ \]|^\d+\. )", README, flags=re.M | re.S)
+    cited = [code for item in items for code in re.findall(r"\(`([^`]+)`(?:, `([^`]+)`)?\)", item) for code in code
+             if code]
+    assert len(items) >= 8 and len(cited) >= len(items)
+    assert not [c for c in cited if c not in flow], "a quoted line is not flow_grpo.py's"
+
+
+def test_what_a_fork_calls_in_common_is_listed():
+    """Every name of common.py a trainer (or tests/likelihood_free.py) calls outside its shared blocks, and every
+    TrainingLoop method it calls, is in README.md's list of what a fork calls."""
+    import fix_copies
+    listed = README[README.index("**What a fork calls in `common.py`**"):README.index("**Changes for forks**")]
+    listed = set(re.findall(r"`(\w+)`", listed))
+    used = set()
+    for path in [ROOT / f"{t}.py" for t in TRAINERS] + [ROOT / "tests" / "likelihood_free.py"]:
+        text = path.read_text()
+        spans = sorted(fix_copies.blocks(text).values()) if "# >>> shared:" in text else []
+        outside, last = [], 0
+        for a, b in spans:
+            outside.append(text[last:a] if a >= last else "")
+            last = max(last, b)
+        outside = "".join(outside) + text[last:]
+        used |= set(re.findall(r"\bcommon\.(\w+)", outside)) | set(re.findall(r"\bloop\.(\w+)\(", outside))
+    assert not used - listed, f"README.md's list of what a fork calls lacks {sorted(used - listed)}"
