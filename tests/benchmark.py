@@ -107,7 +107,7 @@ QUICK_EXTRA = {"pro_grpo": ["--group-size", "8", "--funnel", "6,4", "--checkpoin
 # The smoke-run settings (helpers.SMOKE, TRAINER_SMOKE) that the cost runs put back to the FLUX values: those
 # that decide the work per prompt. Prompts, resolution, LoRA, lr and the rest change no count (or only scale it).
 NOT_STRUCTURE = {"reward", "iterations", "eval_every", "eval_images", "eval_steps", "resolution", "prompts_per_step",
-                 "lora_rank", "lora_alpha", "ema", "gradient_checkpointing", "fsdp", "lr"}
+                 "lora_rank", "lora_alpha", "ema", "gradient_checkpointing", "fsdp", "lr", "threads"}
 # The papers' own cost claims, quoted; the measured counts stand next to them.
 CLAIMS = {"flow_grpo": "the baseline",
           "pro_grpo": "336k vs 453k TFLOPs per epoch against Flow-GRPO's group of 24: 1.35x fewer",

@@ -75,6 +75,7 @@ SMOKE = {
     "ema": False,
     "gradient_checkpointing": False,
     "fsdp": False,
+    "threads": 1,
 }
 # What a trainer's method needs on top of SMOKE to fit it: Pro-GRPO a funnel and checkpoints within 4 samples and
 # 4 steps; G2RPO the LoRA learning rate of its SD3 recipe (the smoke runs train a LoRA, not full FLUX); V-GRPO two

@@ -149,7 +149,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     (standard errors about 0.02 and 0.035) by several standard errors."""
     run(trainer, ["--iterations", "30", "--eval-every", "30", "--prompts-per-step", "8", "--group-size", "8",
                   "--micro-batch", "16", "--sample-steps", "6", "--eval-images", "200", "--eval-steps", "10",
-                  "--output-dir", str(tmp_path / "r")])
+                  "--threads", "1", "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
     seen = f"held-out reward {first['eval_reward']:.4f} -> {last['eval_reward']:.4f}, strict accuracy " \
            f"{first['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f} in 30 iterations at the toy defaults of " \

@@ -224,7 +224,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     held-out reward and strict accuracy over 200 fixed-seed images (standard errors ~0.02 and ~0.035).
     Measured rises: +0.13 / +0.26; the thresholds are about 4 standard errors."""
     run(g2rpo, ["--model", "toy", "--iterations", "30", "--eval-every", "30", "--eval-images", "200",
-                "--prompts-per-step", "8", "--sample-steps", "6",
+                "--prompts-per-step", "8", "--sample-steps", "6", "--threads", "1",
                 "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
     assert last["eval_reward"] - first["eval_reward"] > 0.08

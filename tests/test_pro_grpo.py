@@ -179,7 +179,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     run(pro_grpo, ["--model", "toy", "--prompts", str(prompts), "--prompts-per-step", "5", "--group-size", "16",
                    "--funnel", "8", "--checkpoints", "5", "--micro-batch", "20", "--updates-per-rollout", "1",
                    "--lr", "1e-4", "--beta", "0", "--iterations", "12", "--eval-every", "12", "--eval-images", "100",
-                   "--eval-steps", "10", "--output-dir", str(tmp_path / "r")])
+                   "--eval-steps", "10", "--threads", "1", "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
     assert last["eval_reward"] - first["eval_reward"] > 0.12, (first, last)
     assert last["eval_accuracy"] - first["eval_accuracy"] > 0.25, (first, last)

@@ -205,7 +205,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     """A CI-sized V-GRPO run on the toy model: held-out reward and strict accuracy over 200 fixed-seed images
     rise well beyond their sampling noise (binomial sd of the accuracy <= 0.035 at 200 images)."""
     run(v_grpo, ["--model", "toy", "--iterations", "6", "--eval-every", "6", "--micro-batch", "64",
-                 "--eval-steps", "10", "--output-dir", str(tmp_path / "r")])
+                 "--eval-steps", "10", "--threads", "1", "--output-dir", str(tmp_path / "r")])
     lines = read_metrics(tmp_path / "r")
     first, last = lines[0], lines[-1]
     assert first["iteration"] == 0 and last["iteration"] == 6
