@@ -351,16 +351,16 @@ def main(args: Args) -> dict:
 
             # [G2RPO, MGAI] finish every branch with the ODE at every stride (reading 5), one k at a time
             branch_cond = common.cond_repeat(cond, G)         # (B*G, ...) a row per branch, prompt-major
-            latents = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
+            continued = torch.empty(B, n_sde, G, L, *anchor.shape[2:], device=anchor.device)  # at t = 0
             for k in loop.each(range(n_sde), count="nfe_continuation"):
                 z = rearrange(branches[:, k], "b g ... -> (b g) ...")
                 ends = continue_ode(branch_velocity, z, branch_cond, k, sigmas, strides)
-                latents[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
+                continued[:, k] = rearrange(ends, "(b g) l ... -> b g l ...", g=G)
         t_rollout = time.time() - tic
 
         # ---- 3b. Rewards -> multi-granularity advantages [G2RPO, MGAI] ----
         tic = time.time()
-        flat = rearrange(latents, "b k g l ... -> (b k g l) ...")
+        flat = rearrange(continued, "b k g l ... -> (b k g l) ...")
         owners = [r for r in records for _ in range(n_sde * G * L)]  # the prompt (record) of each row of flat
         parts = {name: [] for name in reward_fn.weights}
         with torch.no_grad():
