@@ -845,6 +845,7 @@ class TrainingLoop:
             import wandb
             self.wandb = wandb.init(project="flow-rl", config=dataclasses.asdict(args), name=run.dir.name)
         self.it, self.metrics, self.dirty = run.start, {}, False
+        self.saved = run.start if (run.dir / "checkpoints" / f"iter_{run.start:06d}").exists() else None  # in place
         optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
         TrainingLoop.active = self
 
@@ -852,11 +853,13 @@ class TrainingLoop:
         """Training seconds so far (the log's time_s)."""
         return time.time() - self.t0
 
-    def save(self, iteration: int) -> Path:
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state,
-                               self.scaler)
+    def save(self, iteration: int):
+        """Checkpoints the state after `iteration` iterations (refused if it is not finite) unless it was saved last
+        (--time-budget's last iteration: its periodic save, then the final one)."""
+        if iteration != self.saved:
+            save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0, self.optimizer,
+                            self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state, self.scaler)
+        self.saved = iteration
 
     def each(self, items, count: str | None = None):
         """The items of a rollout or update loop, each after a check for SIGTERM / SIGINT on any rank (README, Fork a
@@ -906,8 +909,8 @@ class TrainingLoop:
                                getattr(e, "exit_code", 1))
         if not self.dirty:
             self.stop_if_signalled(self.it)
-            saved = self.save(self.it)
-            raise TrainingStopped(f"{what}; checkpoint {saved.name} saved: continue with --resume {self.run.dir}",
+            self.save(self.it)
+            raise TrainingStopped(f"{what}; checkpoint iter_{self.it:06d} saved: continue with --resume {self.run.dir}",
                                   getattr(e, "exit_code", 1))
         newest = newest_checkpoint(self.run.dir)
         raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
@@ -1107,16 +1110,17 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
         meta["run"] = read_own_json(run_dir / "args.json").get("run")
     if holds_run(run_dir):
-        newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
                              f"--output-dir")
         if checkpoint is not None and (source is None or source.resolve() != run_dir.resolve()):
             raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in a new or empty "
                              f"--output-dir (nothing in {run_dir} is moved or deleted)")
-        if checkpoint is not None and checkpoint.resolve() != newest.resolve():
-            raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
-                             f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
+        top = newest_checkpoint(run_dir, complete=False)  # past the start: an older checkpoint or an incomplete one
+        if top is not None and top.name != getattr(checkpoint, "name", None):
+            raise UsageError(f"{top} is past iteration {start}, where this run would start: move it out of "
+                             f"{top.parent} if it is incomplete, else continue {checkpoint or 'the run'} in a new or "
+                             f"empty --output-dir (nothing in {run_dir} is moved or deleted)")
         if checkpoint is not None and checkpoint_info(checkpoint).get("run") != meta.get("run"):  # in place
             raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
     meta["run"] = meta.get("run") or secrets.token_hex(8)
@@ -1179,23 +1183,20 @@ def _release_folder():
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> Path:
-    """A checkpoint folder, or a run folder's latest checkpoint."""
-    p = Path(path)
-    if (p / "checkpoints" / "latest").is_file():
-        name = (p / "checkpoints" / "latest").read_text(errors="replace").strip()
-        if "/" in name or not name.startswith("iter_"):
-            raise not_written_here(p, f"checkpoints/latest names {name[:200]!r}, not one of its checkpoints/iter_*")
-        p = p / "checkpoints" / name
+    """A checkpoint folder, or a run folder's newest complete checkpoint (`latest` is for people: it is not read)."""
+    p = newest_checkpoint(Path(path)) or Path(path)
     if not (p / "checkpoint.json").is_file():
         raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
     return p
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
-    """A run folder's latest complete checkpoint (one is renamed into place only when complete), or None."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "checkpoint.json").is_file())
-    return done[-1] if done else None
+def newest_checkpoint(run_dir: Path, complete: bool = True) -> Path | None:
+    """A run folder's highest-numbered checkpoints/iter_N with a checkpoint.json (one is renamed into place only when
+    complete; complete=False: with one or not), or None."""
+    found = [p for p in (run_dir / "checkpoints").glob("iter_*") if p.name[5:].isascii() and p.name[5:].isdigit()
+             and (p / "checkpoint.json").is_file() >= complete]
+    return max(found, key=lambda p: int(p.name[5:]), default=None)
 
 
 def own_json(record: dict) -> str:
@@ -1231,9 +1232,13 @@ def not_written_here(checkpoint: Path, why: str) -> UsageError:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json as write_checkpoint wrote it (else not_written_here)."""
+    """A checkpoint's checkpoint.json as write_checkpoint wrote it, in the folder named after its iteration (else
+    not_written_here)."""
     try:
-        return read_own_json(checkpoint / "checkpoint.json")
+        info = read_own_json(checkpoint / "checkpoint.json")
+        if checkpoint.name != f"iter_{info['iteration']:06d}":
+            raise ValueError(f"names iteration {info['iteration']}, not that of its folder's name")
+        return info
     except ValueError as e:
         raise not_written_here(checkpoint, f"checkpoint.json {e}") from None
 
@@ -1285,13 +1290,14 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
-    `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
+    `latest`), never over one there; every rank calls it, returning once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite([params, ema and ema.shadow, optimizer and optimizer.state, extra_state], rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
-    if broadcast_object(final.is_dir()):
-        return final
+    if broadcast_object(final.exists()):  # a save never replaces a folder
+        raise TrainingStopped(f"{final} is already there, so iteration {iteration} was not saved: move it out of "
+                              f"{final.parent} and --resume {run_dir}")
     nonce = broadcast_object(secrets.randbits(62))  # the checkpoint's identity (checkpoint.json, state/)
     kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
     write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed, "id": nonce}, adapter, params, lora,

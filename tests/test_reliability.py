@@ -192,9 +192,10 @@ def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_th
     run(flow_grpo, [*tiny(), "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
     before, ckpt2 = snapshot(r), r / "checkpoints" / "iter_000002"
     for out in ([], ["--output-dir", str(r)]):
-        with pytest.raises(common.UsageError, match=re.escape(f"{ckpt2} is older than {r}'s newest checkpoint "
-                                                              f"iter_000004: continue it in a new or empty "
-                                                              f"--output-dir (nothing in {r} is moved or deleted)")):
+        with pytest.raises(common.UsageError, match=re.escape(f"{r / 'checkpoints' / 'iter_000004'} is past iteration "
+                                                              f"2, where this run would start: move it out of ") +
+                           ".* else continue " + re.escape(f"{ckpt2} in a new or empty --output-dir (nothing in {r} "
+                                                           f"is moved or deleted)")):
             run(flow_grpo, [*tiny(), "--iterations", "3", *out, "--resume", str(ckpt2)])
     assert snapshot(r) == before
     elsewhere.mkdir()                                                      # empty
@@ -218,8 +219,9 @@ def test_a_cut_last_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_path
 
 
 def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(tmp_path, monkeypatch):
-    """--time-budget with --save-every 1 saves iteration 2 twice (periodic, then final): the first, complete one is
-    kept and `latest` names it. A temporary folder left by a killed write is removed at the next start."""
+    """--time-budget with --save-every 1 saves iteration 2 twice (periodic, then final): the run saves it once. A save
+    onto a folder already there stops, naming it, and leaves it as it was. A temporary folder left by a killed write
+    is removed at the next start."""
     calls = []
     monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
     r = tmp_path / "r"
@@ -227,7 +229,9 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
     before = {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")}
-    common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))  # exists: kept
+    message = f"{ckpt} is already there, so iteration 2 was not saved: move it out of {ckpt.parent} and --resume {r}"
+    with pytest.raises(common.TrainingStopped, match=re.escape(message)):
+        common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))
     assert {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")} == before
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
@@ -497,28 +501,28 @@ def an_earlier_state(r, other):
 
 
 def a_copied_checkpoint(r, other):
-    shutil.copytree(other / "checkpoints" / "iter_000003", r / "checkpoints" / "iter_000004")
-    (r / "checkpoints" / "latest").write_text("iter_000004")
+    shutil.rmtree(r / "checkpoints" / "iter_000003")
+    shutil.copytree(other / "checkpoints" / "iter_000003", r / "checkpoints" / "iter_000003")
 
 
-def latest_outside(r, other):
-    (r / "checkpoints" / "latest").write_text(f"../../{other.name}/checkpoints/iter_000002")
+def a_rollback(r, other):
+    """An older checkpoint copied to a newer name."""
+    shutil.copytree(r / "checkpoints" / "iter_000001", r / "checkpoints" / "iter_000004")
 
 
 LIES = {"another run's state/": (another_runs_state, "iter_000003", STATE + "ValueError: another checkpoint's state/)"),
         "a link to an earlier state/": (an_earlier_state, "iter_000003", STATE + "ValueError: another checkpoint's "
                                                                                   "state/)"),
-        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000004", "its run identity is not that "
+        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "its run identity is not that "
                                                                                       "of {r}/args.json"),
-        "latest outside the run": (latest_outside, "", "checkpoints/latest names '../../b/checkpoints/iter_000002', "
-                                                       "not one of its checkpoints/iter_*")}
+        "an older checkpoint copied to a newer name": (a_rollback, "iter_000004", "checkpoint.json names iteration 1, "
+                                                                                 "not that of its folder's name")}
 
 
-@pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")
-                                        if (lie, resume) != ("latest outside the run", "auto")])  # auto: no `latest`
+@pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")])
 def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, resume, two_runs, tmp_path, capsys):
     """What checkpoint.json points at is checked too: state/ holds the checkpoint's identity, the run folder's
-    args.json the run's, and `latest` names one of the run's own checkpoints; neither folder is written."""
+    args.json the run's, and the folder's name its iteration; neither folder is written."""
     r, other = tmp_path / "a", tmp_path / "b"
     shutil.copytree(two_runs / "a", r)
     shutil.copytree(two_runs / "b", other)
@@ -527,20 +531,57 @@ def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, r
     before, before_other = snapshot(r), snapshot(other)
     flags = ["--resume", "auto", "--output-dir", str(r)] if resume == "auto" else ["--resume", str(r)]
     err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
-    assert f"error: {r / 'checkpoints' / name if name else r} is not a checkpoint this code wrote: " \
+    assert f"error: {r / 'checkpoints' / name} is not a checkpoint this code wrote: " \
            f"{message.format(r=r)}" in err, err
     assert snapshot(r) == before and snapshot(other) == before_other
 
 
 def test_a_run_folder_moved_or_copied_whole_resumes(two_runs, tmp_path):
+    """`latest` is for people: deleted or naming anything, the run resumes from its newest complete checkpoint."""
     moved, copied = tmp_path / "moved", tmp_path / "copied"
     shutil.copytree(two_runs / "a", moved)
     shutil.copytree(two_runs / "a", copied)
+    (moved / "checkpoints" / "latest").unlink()
+    (copied / "checkpoints" / "latest").write_text("../../b/checkpoints/iter_000002")
     run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", "auto", "--output-dir", str(moved)])
     run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(copied)])
     for r in (moved, copied):
         assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
         assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3, 4]
+        assert [m["from_iteration"] for m in markers(r)] == [3]
+
+
+@pytest.mark.parametrize("resume", ["auto", "run"])
+def test_an_incomplete_checkpoint_past_the_start_is_one_line_naming_it_and_nothing_is_written(resume, two_runs,
+                                                                                            tmp_path, capsys):
+    """An interrupted copy (iter_000003 without its checkpoint.json): the run would start at iteration 2 and its
+    save of iteration 3 could not be written; refused before anything is written, naming the folder to move."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    (r / "checkpoints" / "iter_000003" / "checkpoint.json").unlink()
+    before = snapshot(r)
+    flags = ["--resume", "auto", "--output-dir", str(r)] if resume == "auto" else ["--resume", str(r)]
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+    assert f"error: {r / 'checkpoints' / 'iter_000003'} is past iteration 2, where this run would start: move it " \
+           f"out of {r / 'checkpoints'} if it is incomplete, else continue {r / 'checkpoints' / 'iter_000002'} in a " \
+           f"new or empty --output-dir (nothing in {r} is moved or deleted)\n" in err, err
+    assert snapshot(r) == before
+    shutil.rmtree(r / "checkpoints" / "iter_000003")                    # moved out: the run goes on from 2
+    run(flow_grpo, [*TOY, "--iterations", "3", "--eval-every", "0", *flags])
+    assert (r / "checkpoints" / "iter_000003" / "checkpoint.json").is_file()
+
+
+def test_the_newest_checkpoint_is_the_highest_numbered_complete_one(tmp_path):
+    """Numbers past 999999 sort as numbers, a folder without checkpoint.json or not named iter_ + digits is not one."""
+    names = {"iter_999999": True, "iter_1000000": True, "iter_2000000": False, "iter_3000000x": True, "iter_": True}
+    for name, complete in names.items():
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if complete:
+            (tmp_path / "checkpoints" / name / "checkpoint.json").write_text("{}")
+    assert common.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_1000000"
+    assert common.newest_checkpoint(tmp_path, complete=False) == tmp_path / "checkpoints" / "iter_2000000"
+    assert common.find_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "iter_1000000"
+    assert common.newest_checkpoint(tmp_path / "nowhere") is None
 
 
 def test_non_finite_extra_state_is_never_saved(tmp_path):
