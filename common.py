@@ -1209,12 +1209,30 @@ def _sha256(record) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def read_own_json(path: Path) -> dict:
-    """The record own_json wrote to `path`, else a ValueError saying what failed."""
+def open_regular(path: Path) -> io.BufferedReader:
+    """`path` opened to read, if it is a regular file, else an OSError: a FIFO or device in its place never blocks."""
+    f = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise OSError(f"{Path(path).name} is not a regular file")
+    return f
+
+
+# What this code reads back from its own JSON files: key -> the types (or values) it may hold; numbers finite, >= 0.
+NUMBER, TEXT, FLAG = (int, float), (str,), (bool,)
+CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": (int,), "lora_alpha": NUMBER, "ema": FLAG,
+                   "iteration": (int,), "elapsed": NUMBER, "world_size": (int,), "optimizer_stepped": FLAG,
+                   "tensors": (int,), "loss_scale": FLAG, "state": (dict,)}
+ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": (str, None), "dtype": (None, *DTYPES),
+             "eval_images": (int,), "eval_steps": (int,), "seed": (int,), "resolution": (int, None),
+             "guidance_scale": (*NUMBER, None), "max_sequence_length": (int, None)}  # those evaluate reads
+
+
+def read_own_json(path: Path, keys: dict | None = None) -> dict:
+    """The record own_json wrote to `path`, its `keys` holding what they may, else a ValueError saying what failed."""
     try:
-        if path.exists() and not path.is_file():  # a FIFO would block
-            raise OSError(f"{path.name} is not a regular file")
-        record = json.loads(path.read_text())
+        with open_regular(path) as f:
+            record = json.loads(f.read())
     except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
         raise ValueError(f"does not read ({one_line(e)})") from None
     if not isinstance(record, dict):
@@ -1222,6 +1240,10 @@ def read_own_json(path: Path) -> dict:
     digest = record.pop("sha256", None)
     if digest != _sha256(record):
         raise ValueError("does not match its sha256 (edited or damaged)" if digest else "has no sha256")
+    for key, allowed in (keys or {}).items():  # signed again after an edit, or by other code
+        value = record.get(key)
+        if not (type(value) in allowed or value in allowed) or type(value) in NUMBER and not 0 <= value < math.inf:
+            raise ValueError(f"holds {key} {value!r}, not a value this code writes")
     return record
 
 
@@ -1235,7 +1257,7 @@ def checkpoint_info(checkpoint: Path) -> dict:
     """A checkpoint's checkpoint.json as write_checkpoint wrote it, in the folder named after its iteration (else
     not_written_here)."""
     try:
-        info = read_own_json(checkpoint / "checkpoint.json")
+        info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
         if checkpoint.name != f"iter_{info['iteration']:06d}":
             raise ValueError(f"names iteration {info['iteration']}, not that of its folder's name")
         return info
@@ -1298,9 +1320,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     if broadcast_object(final.exists()):  # a save never replaces a folder
         raise TrainingStopped(f"{final} is already there, so iteration {iteration} was not saved: move it out of "
                               f"{final.parent} and --resume {run_dir}")
-    nonce = broadcast_object(secrets.randbits(62))  # the checkpoint's identity (checkpoint.json, state/)
+    nonce = broadcast_object(secrets.randbits(62))
     kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
-    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed, "id": nonce}, adapter, params, lora,
+    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora,
                      optimizer, ema, rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest "
                      f"kept is {kept.name if kept else 'none'}", extra_state, scaler)
     if rt.is_main:
@@ -1314,7 +1336,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str, extra_state: dict | None = None, scaler=None):
     """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
-    (training_state), then checkpoint.json (own_json). A failure on any rank removes it and stops all, naming `what`."""
+    (training_state), then checkpoint.json (own_json, with state/'s digest). A failure on any rank removes it and stops
+    all, naming `what`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None
@@ -1326,7 +1349,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
             state = training_state(params, optimizer if stepped else None, ema, extra_state, scaler)
-            single_process(dcp.save, {**state, "id": torch.tensor(info["id"])}, folder / "state")  # its identity
+            single_process(dcp.save, state, folder / "state")
+            digest = state_digest(folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if rt.is_main and lora:
                     from peft.utils import get_peft_model_state_dict
@@ -1340,7 +1364,7 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
-                        "loss_scale": scaler is not None}
+                        "loss_scale": scaler is not None, "state": digest}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
@@ -1349,6 +1373,25 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             shutil.rmtree(folder, ignore_errors=True)
         raise TrainingStopped(f"could not write {what} ({error or 'on another rank'}); free disk space or pass another "
                               f"--output-dir and --resume the last checkpoint there")
+
+
+def state_digest(folder: Path, names: list[str] | None = None) -> dict:
+    """{file: sha256} of a checkpoint's state/, every rank's share gathered: on a save each rank hashes the files it
+    wrote (DCP's __RANK_*, .metadata on rank 0), on a load rank r the files i of `names` with i % ranks == r."""
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = names[rank::ranks] if names is not None else sorted(
+        p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == ".metadata" and not rank)
+    digest = {}
+    for name in mine:
+        try:
+            with open_regular(folder / name) as f:
+                digest[name] = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:  # missing, a folder: what failed, which no digest equals
+            digest[name] = one_line(e)
+    parts = [None] * ranks if dist.is_initialized() else [digest]
+    if dist.is_initialized():
+        dist.all_gather_object(parts, digest)
+    return {name: h for part in parts for name, h in part.items()}
 
 
 def single_process(save_or_load, state: dict, folder: Path):
@@ -1384,14 +1427,16 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    scaler = scaler if info.get("loss_scale") else None           # none saved (another --dtype): it starts fresh
-    state = {**training_state(params, optimizer, ema, extra_state, scaler), "id": torch.tensor(-1)}
+    scaler = scaler if info["loss_scale"] else None               # none saved (another --dtype): it starts fresh
+    state = training_state(params, optimizer, ema, extra_state, scaler)
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
+        if state_digest(checkpoint / "state", sorted(info["state"])) != info["state"]:  # before a byte is loaded
+            raise ValueError("its files are not those checkpoint.json's digest names: changed since, or another's")
         single_process(dcp.load, state, checkpoint / "state")
-        if int(state["id"]) != info.get("id") or not finite(state, params[0].device):
-            raise ValueError("another checkpoint's state/" if int(state["id"]) != info.get("id") else "not finite")
+        if not finite(state, params[0].device) or scaler is not None and not 0 < scaler.get_scale() < math.inf:
+            raise ValueError("not finite, or a loss scale not above 0")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's

@@ -122,7 +122,7 @@ def reshard(mode: str, folder):
     fresh model, optimizer, EMA and zeroed extra state, compared with saved.pt (the first leaves AdamW without state,
     as it was)."""
     rt = common.setup_runtime(0, 1)
-    meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True}
+    meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True, "run": "r"}
     done = []
     for saved_as in ("fsdp", "ddp") if mode != "load-plain" else ("fsdp",):
         layout = saved_as if mode == "save" else "fsdp" if mode == "load" else "ddp"

@@ -368,7 +368,7 @@ def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
     """TrainingLoop's extra_state (a tensor, a list of tensors) goes into state/ with the rest and loads back in
     place, bit for bit; a checkpoint without the extra state a run expects is refused in one line."""
     rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
-                                            "ema": False}
+                                            "ema": False, "run": "r"}
     adapter = common.load_model("toy", rt)
     params = common.add_lora(adapter.transformer, 0, 0.0, [])
     optimizer = torch.optim.AdamW(params)
@@ -411,15 +411,31 @@ def run_at_3(tmp_path_factory):
 
 
 def rewrite_state(keep):
-    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state) and the
-    checkpoint's identity (checkpoint.json's "id")."""
+    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state), and its
+    digest signed into checkpoint.json, as other code could: a state/ that checkpoint.json names but that does not
+    load."""
     def damage(checkpoint):
         import torch.distributed.checkpoint as dcp
         from helpers import training_state
-        state = {"id": training_state(checkpoint)["id"], **keep(training_state(checkpoint))}
+        state = keep(training_state(checkpoint))
         shutil.rmtree(checkpoint / "state")
         common.single_process(dcp.save, state, checkpoint / "state")
+        signed(checkpoint, "state", common.state_digest(checkpoint / "state"))
     return damage
+
+
+def signed(checkpoint, key, value=None):
+    """checkpoint.json with `key` set to `value` (None: left out) and signed again, as other code could."""
+    info = {**common.read_own_json(checkpoint / "checkpoint.json"), key: value}
+    (checkpoint / "checkpoint.json").write_text(common.own_json({k: v for k, v in info.items() if v is not None}))
+
+
+def flip_a_bit(checkpoint):
+    """A bit flipped in the tensor file: every number still finite (the lowest bit of the last byte's mantissa)."""
+    path = checkpoint / "state" / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
 
 
 def write(name, data):
@@ -432,6 +448,7 @@ def edit(key, value):
 
 
 STATE, JSON = "state/ does not load (", "checkpoint.json "
+DIGEST = STATE + "ValueError: its files are not those checkpoint.json's digest names: changed since, or another's)"
 DAMAGES = {
     "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + "RuntimeError: Missing key"),
     "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + "RuntimeError: Missing key in "
@@ -443,14 +460,15 @@ DAMAGES = {
     "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
         **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
         STATE + "ValueError: Size mismatch"),
-    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), STATE),
-    "a NaN in state/ (bytes flipped)": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"][
-        "0"].index_fill(0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite)"),
-    "another identity in state/": (rewrite_state(lambda s: {**s, "id": s["id"] + 1}),
-                                   STATE + "ValueError: another checkpoint's state/)"),
-    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE),
-    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE),
-    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), STATE),
+    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), DIGEST),
+    "a NaN in state/": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"]["0"].index_fill(
+        0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite, or a loss scale not above 0)"),
+    "a bit flipped in state/": (flip_a_bit, DIGEST),
+    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), DIGEST),
+    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), DIGEST),
+    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), DIGEST),
+    "a FIFO for a tensor file": (lambda c: (c / "state" / "__0_0.distcp").unlink() or os.mkfifo(
+        c / "state" / "__0_0.distcp"), DIGEST),
     "no checkpoint.json": (lambda checkpoint: (checkpoint / "checkpoint.json").unlink(), "no checkpoint there"),
     "checkpoint.json an array": (write("checkpoint.json", b"[1, 2, 3]"), JSON + "is a JSON list, not an object"),
     "checkpoint.json empty": (write("checkpoint.json", b""), JSON + "does not read (JSONDecodeError: Expecting value"),
@@ -461,6 +479,15 @@ DAMAGES = {
     **{f"checkpoint.json with {key} {value!r}": (edit(key, value), JSON + "does not match its sha256")
        for key, value in [("iteration", 2), ("iteration", -5), ("world_size", 0), ("elapsed", -1.0),
                           ("lora_rank", -4), ("iteration", "3"), ("ema", True), ("sha256", "0" * 64)]},
+    **{f"checkpoint.json signed again with {key} {value!r}": (lambda c, key=key, value=value: signed(c, key, value),
+                                                             JSON + f"holds {key} {value!r}, not a value this code "
+                                                                    f"writes") for key, value in [
+        ("iteration", "3"), ("iteration", 1.5), ("iteration", -5), ("iteration", True), ("elapsed", "abc"),
+        ("elapsed", math.nan), ("elapsed", math.inf), ("lora_alpha", -1.0), ("ema", 0), ("state", [])]},
+    **{f"checkpoint.json signed again without {key}": (lambda c, key=key: signed(c, key), JSON + f"holds {key} None")
+       for key in ("model", "trainer", "world_size", "state", "loss_scale")},  # no state: written before digests
+    "checkpoint.json signed again with iteration 7": (lambda c: signed(c, "iteration", 7), JSON + "names iteration 7, "
+                                                      "not that of its folder's name"),
 }
 
 
@@ -510,9 +537,8 @@ def a_rollback(r, other):
     shutil.copytree(r / "checkpoints" / "iter_000001", r / "checkpoints" / "iter_000004")
 
 
-LIES = {"another run's state/": (another_runs_state, "iter_000003", STATE + "ValueError: another checkpoint's state/)"),
-        "a link to an earlier state/": (an_earlier_state, "iter_000003", STATE + "ValueError: another checkpoint's "
-                                                                                  "state/)"),
+LIES = {"another run's state/": (another_runs_state, "iter_000003", DIGEST),
+        "a link to an earlier state/": (an_earlier_state, "iter_000003", DIGEST),
         "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "its run identity is not that "
                                                                                       "of {r}/args.json"),
         "an older checkpoint copied to a newer name": (a_rollback, "iter_000004", "checkpoint.json names iteration 1, "
@@ -521,8 +547,8 @@ LIES = {"another run's state/": (another_runs_state, "iter_000003", STATE + "Val
 
 @pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")])
 def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, resume, two_runs, tmp_path, capsys):
-    """What checkpoint.json points at is checked too: state/ holds the checkpoint's identity, the run folder's
-    args.json the run's, and the folder's name its iteration; neither folder is written."""
+    """What checkpoint.json points at is checked too: state/ against its digest, the run folder's args.json holds
+    the run's identity, and the folder's name is its iteration; neither folder is written."""
     r, other = tmp_path / "a", tmp_path / "b"
     shutil.copytree(two_runs / "a", r)
     shutil.copytree(two_runs / "b", other)
@@ -587,7 +613,7 @@ def test_the_newest_checkpoint_is_the_highest_numbered_complete_one(tmp_path):
 def test_non_finite_extra_state_is_never_saved(tmp_path):
     """The guard that keeps non-finite weights out of a checkpoint covers all it holds: a method's extra_state too."""
     rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
-                                            "ema": False}
+                                            "ema": False, "run": "r"}
     adapter = common.load_model("toy", rt)
     params = common.add_lora(adapter.transformer, 0, 0.0, [])
     for extra in ({"old": torch.tensor([1.0, math.nan])}, {"pair": [torch.zeros(2), torch.tensor([math.inf])]}):
