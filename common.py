@@ -1121,8 +1121,12 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
             raise UsageError(f"{top} is past iteration {start}, where this run would start: move it out of "
                              f"{top.parent} if it is incomplete, else continue {checkpoint or 'the run'} in a new or "
                              f"empty --output-dir (nothing in {run_dir} is moved or deleted)")
-        if checkpoint is not None and checkpoint_info(checkpoint).get("run") != meta.get("run"):  # in place
-            raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
+        if checkpoint is not None:  # in place: the run's log begins with the lines it was saved after; its args.json
+            info = checkpoint_info(checkpoint)
+            if file_sha256(run_dir / "metrics.jsonl", info["log_bytes"]) != info["log_sha256"]:
+                raise not_written_here(checkpoint, f"{run_dir / 'metrics.jsonl'} does not begin with the lines logged "
+                                                   f"before it was saved (a copy's checkpoint, or an edited log)")
+            meta["run"] = run_settings(checkpoint, info, f"continue {checkpoint} in a new --output-dir")["run"]
     meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
@@ -1218,11 +1222,21 @@ def open_regular(path: Path) -> io.BufferedReader:
     return f
 
 
+def file_sha256(path: Path, size: int = -1) -> str:
+    """The sha256 of a regular file's first `size` bytes (-1: all of it), else what failed, which no sha256 equals."""
+    try:
+        with open_regular(path) as f:
+            return hashlib.file_digest(io.BytesIO(f.read(size)) if size >= 0 else f, "sha256").hexdigest()
+    except OSError as e:  # missing, a folder, a FIFO
+        return one_line(e)
+
+
 # What this code reads back from its own JSON files: key -> the types (or values) it may hold; numbers finite, >= 0.
 NUMBER, TEXT, FLAG = (int, float), (str,), (bool,)
 CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": (int,), "lora_alpha": NUMBER, "ema": FLAG,
                    "iteration": (int,), "elapsed": NUMBER, "world_size": (int,), "optimizer_stepped": FLAG,
-                   "tensors": (int,), "loss_scale": FLAG, "state": (dict,)}
+                   "tensors": (int,), "loss_scale": FLAG, "state": (dict,), "log_bytes": (int,),
+                   "log_sha256": TEXT}
 ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": (str, None), "dtype": (None, *DTYPES),
              "eval_images": (int,), "eval_steps": (int,), "seed": (int,), "resolution": (int, None),
              "guidance_scale": (*NUMBER, None), "max_sequence_length": (int, None)}  # those evaluate reads
@@ -1363,8 +1377,10 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
+                log = folder.parent.parent / "metrics.jsonl"  # the lines logged so far, which a resume in place extends
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
-                        "loss_scale": scaler is not None, "state": digest}
+                        "loss_scale": scaler is not None, "state": digest, "log_bytes": log.stat().st_size,
+                        "log_sha256": file_sha256(log)}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
@@ -1381,13 +1397,7 @@ def state_digest(folder: Path, names: list[str] | None = None) -> dict:
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = names[rank::ranks] if names is not None else sorted(
         p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == ".metadata" and not rank)
-    digest = {}
-    for name in mine:
-        try:
-            with open_regular(folder / name) as f:
-                digest[name] = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as e:  # missing, a folder: what failed, which no digest equals
-            digest[name] = one_line(e)
+    digest = {name: file_sha256(folder / name) for name in mine}
     parts = [None] * ranks if dist.is_initialized() else [digest]
     if dist.is_initialized():
         dist.all_gather_object(parts, digest)
@@ -1609,7 +1619,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
             entries.append(("base", None, {}, {}))
             continue
         checkpoint = find_checkpoint(spec, "--checkpoint")
-        entries.append((spec, checkpoint, checkpoint_info(checkpoint), run_settings(checkpoint.parent.parent)))
+        info = checkpoint_info(checkpoint)
+        entries.append((spec, checkpoint, info, run_settings(checkpoint, info)))
     folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
     if len(folders) == 2 and folders[0] == folders[1]:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
@@ -1678,16 +1689,20 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     return results
 
 
-def run_settings(run_dir: Path) -> dict:
-    """A run's args.json as its trainer wrote it ({} if there is none), else one refusal."""
-    path = run_dir / "args.json"
-    if not path.exists():
+def run_settings(checkpoint: Path, info: dict, fix: str | None = None) -> dict:
+    """The args.json of a checkpoint's run as its trainer wrote it, with the checkpoint's run identity, else one refusal
+    naming it and `fix`; without a fix (evaluate), none there is {} and the fix is to pass the settings as flags."""
+    path = checkpoint.parent.parent / "args.json"
+    if fix is None and not path.exists():
         return {}
     try:
-        return read_own_json(path)
+        record = read_own_json(path, ARGS_KEYS)
+        if record["run"] != info["run"]:
+            raise ValueError("is another run's (not the run identity of its checkpoints)")
+        return record
     except ValueError as e:
-        raise UsageError(f"{path} is not a run's args.json this code wrote: it {e}; move it aside and pass the run's "
-                         f"settings as flags (--model-path, --reward, --prompts, --steps, ...)") from None
+        fix = fix or "move it aside and pass the run's settings as flags (--model-path, --reward, --steps, ...)"
+        raise UsageError(f"{path} is not a run's args.json this code wrote: it {e}; {fix}") from None
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):

@@ -539,16 +539,18 @@ def a_rollback(r, other):
 
 LIES = {"another run's state/": (another_runs_state, "iter_000003", DIGEST),
         "a link to an earlier state/": (an_earlier_state, "iter_000003", DIGEST),
-        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "its run identity is not that "
-                                                                                      "of {r}/args.json"),
+        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "{r}/metrics.jsonl does not "
+                                                 "begin with the lines logged before it was saved (a copy's "
+                                                 "checkpoint, or an edited log)"),
         "an older checkpoint copied to a newer name": (a_rollback, "iter_000004", "checkpoint.json names iteration 1, "
                                                                                  "not that of its folder's name")}
 
 
 @pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")])
 def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, resume, two_runs, tmp_path, capsys):
-    """What checkpoint.json points at is checked too: state/ against its digest, the run folder's args.json holds
-    the run's identity, and the folder's name is its iteration; neither folder is written."""
+    """What checkpoint.json points at is checked too: state/ against its digest, the folder's name is its iteration,
+    and continuing in place, the run's metrics.jsonl begins with the log it was saved after; neither folder is
+    written."""
     r, other = tmp_path / "a", tmp_path / "b"
     shutil.copytree(two_runs / "a", r)
     shutil.copytree(two_runs / "b", other)
@@ -575,6 +577,68 @@ def test_a_run_folder_moved_or_copied_whole_resumes(two_runs, tmp_path):
         assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
         assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3, 4]
         assert [m["from_iteration"] for m in markers(r)] == [3]
+
+
+def a_copy_trained_on(r, tmp_path) -> Path:
+    """A copy of run folder r that trained on one iteration past r's newest checkpoint, 3."""
+    copy = tmp_path / "copy"
+    shutil.copytree(r, copy)
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(copy)])
+    return copy
+
+
+def test_a_copy_that_trained_on_cannot_hand_its_checkpoint_back_to_the_original(two_runs, tmp_path, capsys):
+    """The copy's iter_000004 put into the original: its metrics.jsonl lacks the copy's lines, so the checkpoint is
+    refused there in one line; a new --output-dir continues it."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    copy = a_copy_trained_on(r, tmp_path)
+    shutil.copytree(copy / "checkpoints" / "iter_000004", r / "checkpoints" / "iter_000004")
+    before = snapshot(r)
+    for flags in (["--resume", str(r)], ["--resume", "auto", "--output-dir", str(r)]):
+        err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+        assert f"error: {r / 'checkpoints' / 'iter_000004'} is not a checkpoint this code wrote: " \
+               f"{r / 'metrics.jsonl'} does not begin with the lines logged before it was saved" in err, err
+    assert snapshot(r) == before
+    run(flow_grpo, [*TOY, "--iterations", "5", "--eval-every", "0", "--resume", str(r), "--output-dir",
+                    str(tmp_path / "new")])
+    assert [m["iteration"] for m in read_metrics(tmp_path / "new")] == [4, 5]
+
+
+def damage_args(r, other, kind):
+    path = r / "args.json"
+    if kind == "cut short":
+        path.write_bytes(path.read_bytes()[:100])
+    elif kind == "another run's":
+        shutil.copy(other / "args.json", path)
+    else:
+        path.unlink()
+        if kind == "a folder":
+            path.mkdir()
+        elif kind == "a FIFO":
+            os.mkfifo(path)
+
+
+@pytest.mark.parametrize("kind,why", [("deleted", "does not read (FileNotFoundError"),
+                                      ("cut short", "does not read (JSONDecodeError"),
+                                      ("a folder", "does not read (IsADirectoryError"),
+                                      ("a FIFO", "does not read (OSError: args.json is not a regular file)"),
+                                      ("another run's", "is another run's (not the run identity of its checkpoints)")])
+def test_a_damaged_args_json_is_one_line_naming_it_not_the_checkpoints(kind, why, two_runs, tmp_path, capsys):
+    """The run's checkpoints are intact: the line names args.json; the newest continues in a new --output-dir."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    damage_args(r, two_runs / "b", kind)
+    ckpt = r / "checkpoints" / "iter_000003"
+    for flags in (["--resume", str(r)], ["--resume", "auto", "--output-dir", str(r)]):
+        err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+        assert f"error: {r / 'args.json'} is not a run's args.json this code wrote: it {why}" in err, err
+        assert err.endswith(f"; continue {ckpt} in a new --output-dir\n") and "not a checkpoint" not in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(r), "--output-dir",
+                    str(tmp_path / "new")])
+    assert [m["iteration"] for m in read_metrics(tmp_path / "new")] == [3, 4]
 
 
 @pytest.mark.parametrize("resume", ["auto", "run"])
@@ -625,17 +689,23 @@ def test_non_finite_extra_state_is_never_saved(tmp_path):
 
 @pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
 def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(kind, run_at_3, tmp_path, capsys):
-    r = tmp_path / "r"
+    """Continuing in place: the checkpoint's log is not there, refused at the start (never a read that waits); a new
+    run in a folder holding only that: its first write stops it."""
+    r, new = tmp_path / "r", tmp_path / "new"
     shutil.copytree(run_at_3, r)
-    (r / "metrics.jsonl").unlink()
-    os.mkfifo(r / "metrics.jsonl") if kind == "a FIFO" else (r / "metrics.jsonl").mkdir()
+    new.mkdir()
+    for folder in (r, new):
+        (folder / "metrics.jsonl").unlink(missing_ok=True)
+        os.mkfifo(folder / "metrics.jsonl") if kind == "a FIFO" else (folder / "metrics.jsonl").mkdir()
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", "--resume", str(r)])
+    assert f"error: {r / 'checkpoints' / 'iter_000003'} is not a checkpoint this code wrote: {r / 'metrics.jsonl'} " \
+           f"does not begin with the lines logged before it was saved" in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
     with pytest.raises(SystemExit) as stop:
-        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--iterations", "5",
-                                                                                  "--resume", str(r)])
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--output-dir", str(new)])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "Traceback" not in err, err
-    assert f": could not write {r / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
-    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
+    assert f": could not write {new / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
 
 
 def test_checkpoints_are_written_with_the_process_umask(tmp_path):
