@@ -1935,8 +1935,10 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
                                                                                                 timeout=timeout)
-    deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
-    timer.start()
+    deadline = time.monotonic() + timeout
+    conn.connect()  # within the socket's timeout; the timer shuts the socket itself, which http.client sets
+    timer = threading.Timer(deadline - time.monotonic(), _shut, [conn.sock])  # conn.sock to None for a reply that
+    timer.start()  # will close (HTTP/1.0), then read through the reply
     try:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
             conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
