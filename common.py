@@ -533,10 +533,28 @@ def seed_everything(seed: int):
 
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+class _Stream:
+    """sys.stdout or sys.stderr of a command: a write that fails (its reader gone, a full disk) points the stream's fd
+    at /dev/null, so the printing stops, not the run."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
+
+    def write(self, text: str = "") -> int:
         try:
-            print(*args, **kwargs, flush=True)
-        except BrokenPipeError:  # its reader has gone (a closed pipe): the printing stops, not the run
-            os.dup2(os.open(os.devnull, os.O_WRONLY), kwargs.get("file", sys.stdout).fileno())
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:  # EPIPE, ENOSPC: what is buffered goes to /dev/null too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        return len(text)
+
+    flush = write  # flush(): a write of nothing
 
 
 @contextlib.contextmanager
@@ -591,6 +609,8 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
     stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = map(_Stream, streams)
     with ends_process():
         try:
             with one_line_errors(Path(sys.argv[0]).name):
@@ -601,7 +621,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
                         raise
                     TrainingLoop.active.after_failure(e)
         finally:
-            TrainingLoop.active, _SIGNALLED["signum"] = None, 0
+            TrainingLoop.active, _SIGNALLED["signum"], (sys.stdout, sys.stderr) = None, 0, streams
             for s, h in handlers.items():
                 signal.signal(s, h)
             _release_folder()
@@ -2966,6 +2986,7 @@ if __name__ == "__main__":
                     n, "sd3"))) for n in names]}
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
+    sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
     for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
         signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
     with one_line_errors(f"common.py {sys.argv[1]}"):
