@@ -468,10 +468,9 @@ GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
     dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world_size, local_rank = launcher()
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
@@ -481,6 +480,21 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     seed_everything(seed + rank)
     return Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")])
+
+
+def launcher() -> tuple[int, int, int]:
+    """torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without them), checked as flags are: a variable left
+    in a shell is one line."""
+    v = {k: os.environ.get(k, default) for k, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                                                          ("LOCAL_WORLD_SIZE", "1")]}
+    for rank, size in [("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
+        if not (v[rank].isdecimal() and v[size].isdecimal() and int(v[rank]) < int(v[size])):
+            raise UsageError(f"{rank}={v[rank]} and {size}={v[size]}: torchrun sets integers, 0 <= {rank} < {size}; "
+                             f"launch with torchrun, or unset those left in the shell")
+    if int(v["WORLD_SIZE"]) > 1 and not ("MASTER_ADDR" in os.environ and os.environ.get("MASTER_PORT", "").isdecimal()):
+        raise UsageError(f"WORLD_SIZE={v['WORLD_SIZE']} without torchrun's MASTER_ADDR and MASTER_PORT: launch with "
+                         f"torchrun, or unset WORLD_SIZE")
+    return int(v["RANK"]), int(v["WORLD_SIZE"]), int(v["LOCAL_RANK"])
 
 
 def cpu_threads(threads: int | None = None):
@@ -532,8 +546,11 @@ def seed_everything(seed: int):
 
 
 def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
+    """print on rank 0, and where torchrun's variables do not fit (their refusal shows)."""
+    with contextlib.suppress(UsageError):
+        if launcher()[0]:
+            return
+    print(*args, **kwargs, flush=True)
 
 
 class _Stream:
@@ -813,8 +830,8 @@ def check_model(name: str, path: str | None, reward: str | None = None):
         raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
                          f"another --reward")
     repo, configs = path or HUB_IDS.get(name), []
-    if (path or "").startswith("random"):
-        random_depth(path)
+    if (path or "").startswith("random") and name != "toy":
+        random_depth(path, name)
     elif name == "toy":
         root = Path(path) if path else ASSETS / "toy"
         if not (root / "transformer").is_dir():
@@ -1119,6 +1136,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     elif source is not None:
         run_dir = source
     else:  # a new default folder, claimed by creating it: two runs started in the same second get two folders
+        writable_folder(Path("runs"), "--output-dir")  # a read-only working folder
         while True:
             run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
                                      f"{secrets.token_hex(3)}"
@@ -1669,9 +1687,9 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
+    rt = setup_runtime(seed, a.threads, dtype, model)  # torchrun's variables checked before the folder is made
     new = not out_dir.exists()
     writable_folder(out_dir, "--output")
-    rt = setup_runtime(seed, a.threads, dtype, model)
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
         on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = build_reward(reward_spec, rt.device)
@@ -2956,19 +2974,22 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
 
 
-def random_depth(model_path: str | None) -> int | None:
-    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one is refused."""
+def random_depth(model_path: str | None, family: str) -> int | None:
+    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one, or N past the
+    published depth of `family`'s blocks, is refused."""
     if not (model_path or "").startswith("random"):
         return None
-    depth = model_path.removeprefix("random").removeprefix(":")
-    if model_path != "random" and not (model_path.startswith("random:") and depth.isdigit() and int(depth) >= 1):
-        raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with N >= 1 blocks")
-    return int(depth) if depth else None
+    depth = model_path.removeprefix("random:")
+    most = max(architecture(family)["transformer"].get(k, 0) for k in ("num_layers", "num_single_layers"))
+    if model_path != "random" and not (depth.isdecimal() and 1 <= int(depth) <= most):
+        raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with 1 <= N <= {most} "
+                         f"blocks")
+    return int(depth) if model_path != "random" else None
 
 
 def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
     """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
-    return build_pipeline(family, architecture(family, random_depth(model_path)), device=device, dtype=dtype)
+    return build_pipeline(family, architecture(family, random_depth(model_path, family)), device=device, dtype=dtype)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

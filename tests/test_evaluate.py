@@ -145,6 +145,17 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
     assert (tmp_path / "full" / "x").read_text() == "kept" and (tmp_path / "a_file").read_text() == "kept"
 
 
+def test_a_stale_launcher_variable_is_one_line_and_leaves_no_output_folder(toy_run, tmp_path, capsys, monkeypatch):
+    for name, value in [("RANK", "1"), ("LOCAL_WORLD_SIZE", "0"), ("WORLD_SIZE", "2")]:
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(SystemExit) as e:
+                common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "eval")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and f"{name}={value}" in err, err
+        assert not (tmp_path / "eval").exists()
+
+
 def test_evaluates_bounds_are_the_trainers():
     for trainer in TRAINERS:
         fields = {f.name: f.metadata for f in dataclasses.fields(importlib.import_module(trainer).Args)}
