@@ -2727,33 +2727,52 @@ def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
              for source in PROMPT_SETS[name]]
     if name != "hpdv2":
         return read_prompt_file(files[0], model), read_prompt_file(files[1], model)
-    try:  # a JSON list of records (image pairs), each with its "prompt"
-        return tuple([{"prompt": p} for p in dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))]
-                     for f in files)
+    try:  # a JSON list of records (image pairs), each with its "prompt"; neither split empty
+        sets = [list(dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))) for f in files]
+        if not all(sets) or not all(isinstance(p, str) and p.strip() for s in sets for p in s):
+            raise ValueError("an empty split or prompt")
+        return tuple([{"prompt": p} for p in s] for s in sets)
     except (OSError, ValueError, RecursionError, TypeError, KeyError):
-        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records with a 'prompt': delete it") from None
+        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records, each with a non-empty string 'prompt' "
+                         f"(both splits holding some): delete it") from None
 
 
 def prompt_file(name: str, revision: str, source: tuple) -> str:
-    """A set's file not shipped: in the hub cache, else fetched there and checked (HPDv2's size, Flow-GRPO's blob)."""
+    """A set's file not shipped: in the hub cache, else fetched there; checked at every use against its git blob id
+    (Flow-GRPO's, pinned) or its hash (HPDv2's: the hub keeps a file under it, its size checked on the download)."""
     import urllib.request
-    from huggingface_hub import constants, hf_hub_download
-    cached = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0])
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    path, hub = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0]), dict(
+        repo_id=HPDV2, filename=source[0], repo_type="dataset", revision=revision)
     try:
-        if name == "hpdv2":  # offline: the cached file, else LocalEntryNotFoundError
-            return hf_hub_download(HPDV2, source[0], repo_type="dataset", revision=revision)
-        if cached.is_file() or constants.HF_HUB_OFFLINE:  # offline, a file not cached raises FileNotFoundError
-            return str(cached.resolve(strict=True))
-        data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
-        if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
-            raise ValueError(f"not git blob {source[1]}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(cached, data)
+        if name == "hpdv2":  # an unreachable hub: one line at once, not after its retries; offline: LocalEntryNotFound
+            if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(**hub), str):
+                get_hf_file_metadata(hf_hub_url(**hub))
+            path = Path(hf_hub_download(**hub))
+        elif path.exists() or constants.HF_HUB_OFFLINE:
+            path.stat()  # offline, a file not cached: FileNotFoundError
+        else:
+            data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
+            if source[1] not in content_ids(data):
+                raise ValueError(f"not git blob {source[1]}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, data)
     except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short) and the hub raise many kinds
         why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
-    return str(cached)
+    data, pinned = None, source[1] if name != "hpdv2" else path.resolve().name  # a cache without links: its own name
+    with contextlib.suppress(OSError), open_regular(path) as f:  # a FIFO in its place is no file, never a wait
+        data = f.read()
+    if data is None or pinned != path.name and pinned not in content_ids(data):
+        raise UsageError(f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: "
+                         f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`")
+    return str(path)
+
+
+def content_ids(data: bytes) -> tuple[str, str]:
+    """The ids of a file's bytes: its git blob id (Flow-GRPO's pins) and sha256 (the hub's name of an LFS file)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), hashlib.sha256(data).hexdigest()
 
 
 # ---- Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit ----
@@ -3002,9 +3021,10 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 if __name__ == "__main__":
-    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main,  # fetch-prompts NAME ...: for offline runs
-                "fetch-prompts": lambda names: [print(n, "prompts, train and held out:", *map(len, load_prompts(
-                    n, "sd3"))) for n in names]}
+    fetch = Parser(prog="common.py fetch-prompts", description="fetch prompt sets into the hub cache, for offline use")
+    fetch.add_argument("sets", nargs="+", choices=list(PROMPT_SETS), metavar="NAME", help=", ".join(PROMPT_SETS))
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main, "fetch-prompts": lambda argv: [print(
+        n, "prompts, train and held out:", *map(len, load_prompts(n, "sd3"))) for n in fetch.parse_args(argv).sets]}
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
     sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
