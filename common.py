@@ -1904,12 +1904,13 @@ def _reward_rows(loop, a) -> tuple[list, float]:
     rows = []
     for name in loop.reward_fn.weights:
         key, s, w = short_reward_name(name), right[name].double().cpu(), wrong[name].double().cpu()
-        spread, d = s.std().item(), s - w
-        se, ok = d.std().item() / math.sqrt(len(d)), spread > 1e-6 and len(batch) > 1
+        one, d = len(s) < 2, s - w  # one image (--eval-images 1): no spread to measure
+        spread, se = (math.nan, math.nan) if one else (s.std().item(), d.std().item() / math.sqrt(len(d)))
+        ok = spread > 1e-6 and len(batch) > 1
         rows += [_row(f"{key}: finite", f"{int(torch.isfinite(s).sum())}/{len(s)}", "all",
                       bool(torch.isfinite(s).all()), "the scorer returns NaN / inf: check its weights and inputs"),
-                 _row(f"{key}: spread over images", f"{spread:.3g}", "> 0", spread > 1e-6, "every image gets the "
-                      "same score, so every advantage is zero: check the scorer's weights and preprocessing")]
+                 _row(f"{key}: spread over images", f"{spread:.3g}", "> 0", "n/a" if one else spread > 1e-6,
+                      "every image gets the same score, so every advantage is zero: check the scorer's weights")]
         rows += [] if name in PROMPT_FREE else [_row(
             f"{key}: right vs shifted prompts", f"{s.mean():.4g} vs {w.mean():.4g} ({d.mean() / max(se, 1e-12):+.1f} "
             f"SE)", f">= +{PROMPT_SE:g} SE", d.mean().item() > max(0, PROMPT_SE * se) if ok else "n/a",
