@@ -483,8 +483,7 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
 
 
 def launcher() -> tuple[int, int, int]:
-    """torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without them), checked as flags are: a variable left
-    in a shell is one line."""
+    """torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without them), checked as flags are (README)."""
     v = {k: os.environ.get(k, default) for k, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                                                           ("LOCAL_WORLD_SIZE", "1")]}
     for rank, size in [("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
@@ -546,32 +545,28 @@ def seed_everything(seed: int):
 
 
 def print0(*args, **kwargs):
-    """print on rank 0, and where torchrun's variables do not fit (their refusal shows)."""
-    with contextlib.suppress(UsageError):
+    with contextlib.suppress(UsageError):  # on rank 0, and where torchrun's variables do not fit (to show why)
         if launcher()[0]:
             return
     print(*args, **kwargs, flush=True)
 
 
+@dataclasses.dataclass
 class _Stream:
     """sys.stdout or sys.stderr of a command: a write that fails (its reader gone, a full disk) points the stream's fd
     at /dev/null, so the printing stops, not the run."""
+    stream: io.TextIOBase
 
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __getattr__(self, name):  # fileno, isatty, encoding, ...
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: each write has flushed, or failed
         return getattr(self.stream, name)
 
-    def write(self, text: str = "") -> int:
+    def write(self, text: str) -> int:
         try:
             self.stream.write(text)
             self.stream.flush()
         except OSError:  # EPIPE, ENOSPC: what is buffered goes to /dev/null too
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
         return len(text)
-
-    flush = write  # flush(): a write of nothing
 
 
 @contextlib.contextmanager
@@ -891,8 +886,7 @@ class TrainingLoop:
         return time.time() - self.t0
 
     def save(self, iteration: int):
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite) unless it was saved last
-        (--time-budget's last iteration: its periodic save, then the final one)."""
+        """Checkpoints the state after `iteration` iterations (not finite: refused) unless it was saved last."""
         if iteration != self.saved:
             save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0, self.optimizer,
                             self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state, self.scaler)
@@ -1234,8 +1228,8 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
 
 
 def newest_checkpoint(run_dir: Path, complete: bool = True) -> Path | None:
-    """A run folder's highest-numbered checkpoints/iter_N with a checkpoint.json (one is renamed into place only when
-    complete; complete=False: with one or not), or None."""
+    """A run folder's highest-numbered checkpoints/iter_N that is complete (has a checkpoint.json; complete=False: or
+    not), or None."""
     found = [p for p in (run_dir / "checkpoints").glob("iter_*") if p.name[5:].isascii() and p.name[5:].isdigit()
              and (p / "checkpoint.json").is_file() >= complete]
     return max(found, key=lambda p: int(p.name[5:]), default=None)
@@ -1251,21 +1245,14 @@ def _sha256(record) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def open_regular(path: Path) -> io.BufferedReader:
-    """`path` opened to read, if it is a regular file, else an OSError: a FIFO or device in its place never blocks."""
-    f = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        f.close()
-        raise OSError(f"{Path(path).name} is not a regular file")
-    return f
-
-
 def file_sha256(path: Path, size: int = -1) -> str:
-    """The sha256 of a regular file's first `size` bytes (-1: all of it), else what failed, which no sha256 equals."""
+    """The sha256 of a file's first `size` bytes (-1: all of it), else what is wrong, which no sha256 equals."""
     try:
-        with open_regular(path) as f:
+        if not path.is_file():  # missing, a folder, a FIFO (whose read would wait)
+            raise OSError(f"{path.name} is not a regular file")
+        with open(path, "rb") as f:
             return hashlib.file_digest(io.BytesIO(f.read(size)) if size >= 0 else f, "sha256").hexdigest()
-    except OSError as e:  # missing, a folder, a FIFO
+    except OSError as e:
         return one_line(e)
 
 
@@ -1283,8 +1270,9 @@ ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": 
 def read_own_json(path: Path, keys: dict | None = None) -> dict:
     """The record own_json wrote to `path`, its `keys` holding what they may, else a ValueError saying what failed."""
     try:
-        with open_regular(path) as f:
-            record = json.loads(f.read())
+        if path.exists() and not path.is_file():  # a FIFO would block
+            raise OSError(f"{path.name} is not a regular file")
+        record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # missing, not UTF-8, not JSON, nested too deep
         raise ValueError(f"does not read ({one_line(e)})") from None
     if not isinstance(record, dict):
@@ -1306,8 +1294,7 @@ def not_written_here(checkpoint: Path, why: str) -> UsageError:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json as write_checkpoint wrote it, in the folder named after its iteration (else
-    not_written_here)."""
+    """A checkpoint's checkpoint.json as write_checkpoint wrote it, in its iteration's folder, else not_written_here."""
     try:
         info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
         if checkpoint.name != f"iter_{info['iteration']:06d}":
@@ -2762,9 +2749,8 @@ def prompt_file(name: str, revision: str, source: tuple) -> str:
         why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
-    data, pinned = None, source[1] if name != "hpdv2" else path.resolve().name  # a cache without links: its own name
-    with contextlib.suppress(OSError), open_regular(path) as f:  # a FIFO in its place is no file, never a wait
-        data = f.read()
+    pinned = source[1] if name != "hpdv2" else path.resolve().name  # a cache without links: the file's own name
+    data = path.read_bytes() if path.is_file() else None  # a FIFO in its place is not read: it would wait
     if data is None or pinned != path.name and pinned not in content_ids(data):
         raise UsageError(f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: "
                          f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`")

@@ -621,7 +621,7 @@ def damage_args(r, other, kind):
 
 @pytest.mark.parametrize("kind,why", [("deleted", "does not read (FileNotFoundError"),
                                       ("cut short", "does not read (JSONDecodeError"),
-                                      ("a folder", "does not read (IsADirectoryError"),
+                                      ("a folder", "does not read (OSError: args.json is not a regular file)"),
                                       ("a FIFO", "does not read (OSError: args.json is not a regular file)"),
                                       ("another run's", "is another run's (not the run identity of its checkpoints)")])
 def test_a_damaged_args_json_is_one_line_naming_it_not_the_checkpoints(kind, why, two_runs, tmp_path, capsys):
