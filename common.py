@@ -1374,9 +1374,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str, extra_state: dict | None = None, scaler=None):
-    """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
-    (training_state), then checkpoint.json (own_json, with state/'s digest). A failure on any rank removes it and stops
-    all, naming `what`."""
+    """Writes a checkpoint into the new `folder` of a run folder on every rank: the published weights (the EMA's if
+    kept), state/ (training_state), then checkpoint.json (own_json, with state/'s digest and the size and sha256 of the
+    run's metrics.jsonl). A failure on any rank removes it and stops all, naming `what`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None

@@ -129,6 +129,9 @@ def reshard(mode: str, folder):
         adapter, params, optimizer, ema = toy_state(rt, layout)
         where = folder / saved_as
         if mode == "save":
+            if rt.is_main:                                                  # a run folder holds its log
+                where.mkdir(parents=True)
+                (where / "metrics.jsonl").write_text('{"iteration": 0}\n')
             common.save_checkpoint(where, 0, adapter, params, False, optimizer, ema, 0.5, meta, rt)  # no AdamW state
             start = full_state(params, optimizer, ema)
             old = [q.detach().clone() for q in params]                  # in the layout's own kind of tensor

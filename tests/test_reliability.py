@@ -374,6 +374,9 @@ def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
     optimizer = torch.optim.AdamW(params)
     old = torch.randn(5, 3, dtype=torch.float64)                          # dtypes are kept: float64, int64
     pair = [torch.randn(4), torch.arange(6, dtype=torch.int64)]
+    for run_dir in (tmp_path / "a", tmp_path / "b"):                   # a run folder holds its log
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text('{"iteration": 0}\n')
     with_extra = common.save_checkpoint(tmp_path / "a", 1, adapter, params, False, optimizer, None, 2.5, meta, rt,
                                         {"old": old, "pair": pair})
     without = common.save_checkpoint(tmp_path / "b", 1, adapter, params, False, optimizer, None, 2.5, meta, rt)
