@@ -468,10 +468,9 @@ GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
     dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world_size, local_rank = launcher()
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
+        device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
@@ -481,6 +480,20 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     seed_everything(seed + rank)
     return Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")])
+
+
+def launcher() -> tuple[int, int, int]:
+    """torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without them), checked as flags are (README)."""
+    v = {k: os.environ.get(k, default) for k, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                                                          ("LOCAL_WORLD_SIZE", "1")]}
+    for rank, size in [("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
+        if not (v[rank].isdecimal() and v[size].isdecimal() and int(v[rank]) < int(v[size])):
+            raise UsageError(f"{rank}={v[rank]} and {size}={v[size]}: torchrun sets integers, 0 <= {rank} < {size}; "
+                             f"launch with torchrun, or unset those left in the shell")
+    if int(v["WORLD_SIZE"]) > 1 and not ("MASTER_ADDR" in os.environ and os.environ.get("MASTER_PORT", "").isdecimal()):
+        raise UsageError(f"WORLD_SIZE={v['WORLD_SIZE']} without torchrun's MASTER_ADDR and MASTER_PORT: launch with "
+                         f"torchrun, or unset WORLD_SIZE")
+    return int(v["RANK"]), int(v["WORLD_SIZE"]), int(v["LOCAL_RANK"])
 
 
 def cpu_threads(threads: int | None = None):
@@ -532,11 +545,28 @@ def seed_everything(seed: int):
 
 
 def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", "0")) == 0:
+    with contextlib.suppress(UsageError):  # on rank 0, and where torchrun's variables do not fit (to show why)
+        if launcher()[0]:
+            return
+    print(*args, **kwargs, flush=True)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """sys.stdout or sys.stderr of a command: a write that fails (its reader gone, a full disk) points the stream's fd
+    at /dev/null, so the printing stops, not the run."""
+    stream: io.TextIOBase
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: each write has flushed, or failed
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
         try:
-            print(*args, **kwargs, flush=True)
-        except BrokenPipeError:  # its reader has gone (a closed pipe): the printing stops, not the run
-            os.dup2(os.open(os.devnull, os.O_WRONLY), kwargs.get("file", sys.stdout).fileno())
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:  # EPIPE, ENOSPC: what is buffered goes to /dev/null too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        return len(text)
 
 
 @contextlib.contextmanager
@@ -591,6 +621,8 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
     stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = map(_Stream, streams)
     with ends_process():
         try:
             with one_line_errors(Path(sys.argv[0]).name):
@@ -601,7 +633,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
                         raise
                     TrainingLoop.active.after_failure(e)
         finally:
-            TrainingLoop.active, _SIGNALLED["signum"] = None, 0
+            TrainingLoop.active, _SIGNALLED["signum"], (sys.stdout, sys.stderr) = None, 0, streams
             for s, h in handlers.items():
                 signal.signal(s, h)
             _release_folder()
@@ -793,8 +825,8 @@ def check_model(name: str, path: str | None, reward: str | None = None):
         raise UsageError(f"--reward {reward} scores the toy world's shapes, not {name} images: pass --model toy or "
                          f"another --reward")
     repo, configs = path or HUB_IDS.get(name), []
-    if (path or "").startswith("random"):
-        random_depth(path)
+    if (path or "").startswith("random") and name != "toy":
+        random_depth(path, name)
     elif name == "toy":
         root = Path(path) if path else ASSETS / "toy"
         if not (root / "transformer").is_dir():
@@ -845,6 +877,7 @@ class TrainingLoop:
             import wandb
             self.wandb = wandb.init(project="flow-rl", config=dataclasses.asdict(args), name=run.dir.name)
         self.it, self.metrics, self.dirty = run.start, {}, False
+        self.saved = run.start if (run.dir / "checkpoints" / f"iter_{run.start:06d}").exists() else None  # in place
         optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
         TrainingLoop.active = self
 
@@ -852,11 +885,12 @@ class TrainingLoop:
         """Training seconds so far (the log's time_s)."""
         return time.time() - self.t0
 
-    def save(self, iteration: int) -> Path:
-        """Checkpoints the state after `iteration` iterations (refused if it is not finite)."""
-        return save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0,
-                               self.optimizer, self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state,
-                               self.scaler)
+    def save(self, iteration: int):
+        """Checkpoints the state after `iteration` iterations (not finite: refused) unless it was saved last."""
+        if iteration != self.saved:
+            save_checkpoint(self.run.dir, iteration, self.adapter, self.params, self.args.lora_rank > 0, self.optimizer,
+                            self.ema, self.seconds(), self.run.meta, self.rt, self.extra_state, self.scaler)
+        self.saved = iteration
 
     def each(self, items, count: str | None = None):
         """The items of a rollout or update loop, each after a check for SIGTERM / SIGINT on any rank (README, Fork a
@@ -906,8 +940,8 @@ class TrainingLoop:
                                getattr(e, "exit_code", 1))
         if not self.dirty:
             self.stop_if_signalled(self.it)
-            saved = self.save(self.it)
-            raise TrainingStopped(f"{what}; checkpoint {saved.name} saved: continue with --resume {self.run.dir}",
+            self.save(self.it)
+            raise TrainingStopped(f"{what}; checkpoint iter_{self.it:06d} saved: continue with --resume {self.run.dir}",
                                   getattr(e, "exit_code", 1))
         newest = newest_checkpoint(self.run.dir)
         raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
@@ -1096,6 +1130,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     elif source is not None:
         run_dir = source
     else:  # a new default folder, claimed by creating it: two runs started in the same second get two folders
+        writable_folder(Path("runs"), "--output-dir")  # a read-only working folder
         while True:
             run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
                                      f"{secrets.token_hex(3)}"
@@ -1107,18 +1142,23 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
         meta["run"] = read_own_json(run_dir / "args.json").get("run")
     if holds_run(run_dir):
-        newest = newest_checkpoint(run_dir)
         if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
                              f"--output-dir")
         if checkpoint is not None and (source is None or source.resolve() != run_dir.resolve()):
             raise UsageError(f"{run_dir} already holds another run: continue {checkpoint} in a new or empty "
                              f"--output-dir (nothing in {run_dir} is moved or deleted)")
-        if checkpoint is not None and checkpoint.resolve() != newest.resolve():
-            raise UsageError(f"{checkpoint} is older than {run_dir}'s newest checkpoint {newest.name}: continue it in "
-                             f"a new or empty --output-dir (nothing in {run_dir} is moved or deleted)")
-        if checkpoint is not None and checkpoint_info(checkpoint).get("run") != meta.get("run"):  # in place
-            raise not_written_here(checkpoint, f"its run identity is not that of {run_dir / 'args.json'}")
+        top = newest_checkpoint(run_dir, complete=False)  # past the start: an older checkpoint or an incomplete one
+        if top is not None and top.name != getattr(checkpoint, "name", None):
+            raise UsageError(f"{top} is past iteration {start}, where this run would start: move it out of "
+                             f"{top.parent} if it is incomplete, else continue {checkpoint or 'the run'} in a new or "
+                             f"empty --output-dir (nothing in {run_dir} is moved or deleted)")
+        if checkpoint is not None:  # in place: the run's log begins with the lines it was saved after; its args.json
+            info = checkpoint_info(checkpoint)
+            if file_sha256(run_dir / "metrics.jsonl", info["log_bytes"]) != info["log_sha256"]:
+                raise not_written_here(checkpoint, f"{run_dir / 'metrics.jsonl'} does not begin with the lines logged "
+                                                   f"before it was saved (a copy's checkpoint, or an edited log)")
+            meta["run"] = run_settings(checkpoint, info, f"continue {checkpoint} in a new --output-dir")["run"]
     meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
     os.write(lock, f"{os.getpid()} {socket.gethostname()}\n".encode())
@@ -1179,23 +1219,20 @@ def _release_folder():
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> Path:
-    """A checkpoint folder, or a run folder's latest checkpoint."""
-    p = Path(path)
-    if (p / "checkpoints" / "latest").is_file():
-        name = (p / "checkpoints" / "latest").read_text(errors="replace").strip()
-        if "/" in name or not name.startswith("iter_"):
-            raise not_written_here(p, f"checkpoints/latest names {name[:200]!r}, not one of its checkpoints/iter_*")
-        p = p / "checkpoints" / name
+    """A checkpoint folder, or a run folder's newest complete checkpoint (`latest` is for people: it is not read)."""
+    p = newest_checkpoint(Path(path)) or Path(path)
     if not (p / "checkpoint.json").is_file():
         raise UsageError(f"{flag} {path}: no checkpoint there; pass a run folder or one of its "
                          f"checkpoints/iter_* folders")
     return p
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
-    """A run folder's latest complete checkpoint (one is renamed into place only when complete), or None."""
-    done = sorted(p for p in (run_dir / "checkpoints").glob("iter_*") if (p / "checkpoint.json").is_file())
-    return done[-1] if done else None
+def newest_checkpoint(run_dir: Path, complete: bool = True) -> Path | None:
+    """A run folder's highest-numbered checkpoints/iter_N that is complete (has a checkpoint.json; complete=False: or
+    not), or None."""
+    found = [p for p in (run_dir / "checkpoints").glob("iter_*") if p.name[5:].isascii() and p.name[5:].isdigit()
+             and (p / "checkpoint.json").is_file() >= complete]
+    return max(found, key=lambda p: int(p.name[5:]), default=None)
 
 
 def own_json(record: dict) -> str:
@@ -1208,8 +1245,30 @@ def _sha256(record) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def read_own_json(path: Path) -> dict:
-    """The record own_json wrote to `path`, else a ValueError saying what failed."""
+def file_sha256(path: Path, size: int = -1) -> str:
+    """The sha256 of a file's first `size` bytes (-1: all of it), else what is wrong, which no sha256 equals."""
+    try:
+        if not path.is_file():  # missing, a folder, a FIFO (whose read would wait)
+            raise OSError(f"{path.name} is not a regular file")
+        with open(path, "rb") as f:
+            return hashlib.file_digest(io.BytesIO(f.read(size)) if size >= 0 else f, "sha256").hexdigest()
+    except OSError as e:
+        return one_line(e)
+
+
+# What this code reads back from its own JSON files: key -> the types (or values) it may hold; numbers finite, >= 0.
+NUMBER, TEXT, FLAG = (int, float), (str,), (bool,)
+CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": (int,), "lora_alpha": NUMBER, "ema": FLAG,
+                   "iteration": (int,), "elapsed": NUMBER, "world_size": (int,), "optimizer_stepped": FLAG,
+                   "tensors": (int,), "loss_scale": FLAG, "state": (dict,), "log_bytes": (int,),
+                   "log_sha256": TEXT}
+ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": (str, None), "dtype": (None, *DTYPES),
+             "eval_images": (int,), "eval_steps": (int,), "seed": (int,), "resolution": (int, None),
+             "guidance_scale": (*NUMBER, None), "max_sequence_length": (int, None)}  # those evaluate reads
+
+
+def read_own_json(path: Path, keys: dict | None = None) -> dict:
+    """The record own_json wrote to `path`, its `keys` holding what they may, else a ValueError saying what failed."""
     try:
         if path.exists() and not path.is_file():  # a FIFO would block
             raise OSError(f"{path.name} is not a regular file")
@@ -1221,6 +1280,10 @@ def read_own_json(path: Path) -> dict:
     digest = record.pop("sha256", None)
     if digest != _sha256(record):
         raise ValueError("does not match its sha256 (edited or damaged)" if digest else "has no sha256")
+    for key, allowed in (keys or {}).items():  # signed again after an edit, or by other code
+        value = record.get(key)
+        if not (type(value) in allowed or value in allowed) or type(value) in NUMBER and not 0 <= value < math.inf:
+            raise ValueError(f"holds {key} {value!r}, not a value this code writes")
     return record
 
 
@@ -1231,9 +1294,12 @@ def not_written_here(checkpoint: Path, why: str) -> UsageError:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json as write_checkpoint wrote it (else not_written_here)."""
+    """A checkpoint's checkpoint.json as write_checkpoint wrote it, in its iteration's folder, else not_written_here."""
     try:
-        return read_own_json(checkpoint / "checkpoint.json")
+        info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
+        if checkpoint.name != f"iter_{info['iteration']:06d}":
+            raise ValueError(f"names iteration {info['iteration']}, not that of its folder's name")
+        return info
     except ValueError as e:
         raise not_written_here(checkpoint, f"checkpoint.json {e}") from None
 
@@ -1285,16 +1351,17 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
-    `latest`), or keeps one there; every rank calls it and returns once it is in place. Non-finite weights: refused."""
+    `latest`), never over one there; every rank calls it, returning once it is in place. Non-finite weights: refused."""
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite([params, ema and ema.shadow, optimizer and optimizer.state, extra_state], rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
                               f"--resume {run_dir} with a smaller --lr")
-    if broadcast_object(final.is_dir()):
-        return final
-    nonce = broadcast_object(secrets.randbits(62))  # the checkpoint's identity (checkpoint.json, state/)
+    if broadcast_object(final.exists()):  # a save never replaces a folder
+        raise TrainingStopped(f"{final} is already there, so iteration {iteration} was not saved: move it out of "
+                              f"{final.parent} and --resume {run_dir}")
+    nonce = broadcast_object(secrets.randbits(62))
     kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
-    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed, "id": nonce}, adapter, params, lora,
+    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora,
                      optimizer, ema, rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest "
                      f"kept is {kept.name if kept else 'none'}", extra_state, scaler)
     if rt.is_main:
@@ -1307,8 +1374,9 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                      rt: Runtime, what: str, extra_state: dict | None = None, scaler=None):
-    """Writes a checkpoint into the new `folder` on every rank: the published weights (the EMA's if kept), state/
-    (training_state), then checkpoint.json (own_json). A failure on any rank removes it and stops all, naming `what`."""
+    """Writes a checkpoint into the new `folder` of a run folder on every rank: the published weights (the EMA's if
+    kept), state/ (training_state), then checkpoint.json (own_json, with state/'s digest and the size and sha256 of the
+    run's metrics.jsonl). A failure on any rank removes it and stops all, naming `what`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None
@@ -1320,7 +1388,8 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
     if all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:
         try:
             state = training_state(params, optimizer if stepped else None, ema, extra_state, scaler)
-            single_process(dcp.save, {**state, "id": torch.tensor(info["id"])}, folder / "state")  # its identity
+            single_process(dcp.save, state, folder / "state")
+            digest = state_digest(folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if rt.is_main and lora:
                     from peft.utils import get_peft_model_state_dict
@@ -1333,8 +1402,10 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
+                log = folder.parent.parent / "metrics.jsonl"  # the lines logged so far, which a resume in place extends
                 info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
-                        "loss_scale": scaler is not None}
+                        "loss_scale": scaler is not None, "state": digest, "log_bytes": log.stat().st_size,
+                        "log_sha256": file_sha256(log)}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
@@ -1343,6 +1414,19 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             shutil.rmtree(folder, ignore_errors=True)
         raise TrainingStopped(f"could not write {what} ({error or 'on another rank'}); free disk space or pass another "
                               f"--output-dir and --resume the last checkpoint there")
+
+
+def state_digest(folder: Path, names: list[str] | None = None) -> dict:
+    """{file: sha256} of a checkpoint's state/, every rank's share gathered: on a save each rank hashes the files it
+    wrote (DCP's __RANK_*, .metadata on rank 0), on a load rank r the files i of `names` with i % ranks == r."""
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = names[rank::ranks] if names is not None else sorted(
+        p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == ".metadata" and not rank)
+    digest = {name: file_sha256(folder / name) for name in mine}
+    parts = [None] * ranks if dist.is_initialized() else [digest]
+    if dist.is_initialized():
+        dist.all_gather_object(parts, digest)
+    return {name: h for part in parts for name, h in part.items()}
 
 
 def single_process(save_or_load, state: dict, folder: Path):
@@ -1378,14 +1462,16 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     info = checkpoint_info(checkpoint)
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
-    scaler = scaler if info.get("loss_scale") else None           # none saved (another --dtype): it starts fresh
-    state = {**training_state(params, optimizer, ema, extra_state, scaler), "id": torch.tensor(-1)}
+    scaler = scaler if info["loss_scale"] else None               # none saved (another --dtype): it starts fresh
+    state = training_state(params, optimizer, ema, extra_state, scaler)
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
+        if state_digest(checkpoint / "state", sorted(info["state"])) != info["state"]:  # before a byte is loaded
+            raise ValueError("its files are not those checkpoint.json's digest names: changed since, or another's")
         single_process(dcp.load, state, checkpoint / "state")
-        if int(state["id"]) != info.get("id") or not finite(state, params[0].device):
-            raise ValueError("another checkpoint's state/" if int(state["id"]) != info.get("id") else "not finite")
+        if not finite(state, params[0].device) or scaler is not None and not 0 < scaler.get_scale() < math.inf:
+            raise ValueError("not finite, or a loss scale not above 0")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
@@ -1558,7 +1644,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
             entries.append(("base", None, {}, {}))
             continue
         checkpoint = find_checkpoint(spec, "--checkpoint")
-        entries.append((spec, checkpoint, checkpoint_info(checkpoint), run_settings(checkpoint.parent.parent)))
+        info = checkpoint_info(checkpoint)
+        entries.append((spec, checkpoint, info, run_settings(checkpoint, info)))
     folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
     if len(folders) == 2 and folders[0] == folders[1]:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
@@ -1587,9 +1674,9 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
+    rt = setup_runtime(seed, a.threads, dtype, model)  # torchrun's variables checked before the folder is made
     new = not out_dir.exists()
     writable_folder(out_dir, "--output")
-    rt = setup_runtime(seed, a.threads, dtype, model)
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
         on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = build_reward(reward_spec, rt.device)
@@ -1627,16 +1714,20 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     return results
 
 
-def run_settings(run_dir: Path) -> dict:
-    """A run's args.json as its trainer wrote it ({} if there is none), else one refusal."""
-    path = run_dir / "args.json"
-    if not path.exists():
+def run_settings(checkpoint: Path, info: dict, fix: str | None = None) -> dict:
+    """The args.json of a checkpoint's run as its trainer wrote it, with the checkpoint's run identity, else one refusal
+    naming it and `fix`; without a fix (evaluate), none there is {} and the fix is to pass the settings as flags."""
+    path = checkpoint.parent.parent / "args.json"
+    if fix is None and not path.exists():
         return {}
     try:
-        return read_own_json(path)
+        record = read_own_json(path, ARGS_KEYS)
+        if record["run"] != info["run"]:
+            raise ValueError("is another run's (not the run identity of its checkpoints)")
+        return record
     except ValueError as e:
-        raise UsageError(f"{path} is not a run's args.json this code wrote: it {e}; move it aside and pass the run's "
-                         f"settings as flags (--model-path, --reward, --prompts, --steps, ...)") from None
+        fix = fix or "move it aside and pass the run's settings as flags (--model-path, --reward, --steps, ...)"
+        raise UsageError(f"{path} is not a run's args.json this code wrote: it {e}; {fix}") from None
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
@@ -1800,12 +1891,13 @@ def _reward_rows(loop, a) -> tuple[list, float]:
     rows = []
     for name in loop.reward_fn.weights:
         key, s, w = short_reward_name(name), right[name].double().cpu(), wrong[name].double().cpu()
-        spread, d = s.std().item(), s - w
-        se, ok = d.std().item() / math.sqrt(len(d)), spread > 1e-6 and len(batch) > 1
+        one, d = len(s) < 2, s - w  # one image (--eval-images 1): no spread to measure
+        spread, se = (math.nan, math.nan) if one else (s.std().item(), d.std().item() / math.sqrt(len(d)))
+        ok = spread > 1e-6 and len(batch) > 1
         rows += [_row(f"{key}: finite", f"{int(torch.isfinite(s).sum())}/{len(s)}", "all",
                       bool(torch.isfinite(s).all()), "the scorer returns NaN / inf: check its weights and inputs"),
-                 _row(f"{key}: spread over images", f"{spread:.3g}", "> 0", spread > 1e-6, "every image gets the "
-                      "same score, so every advantage is zero: check the scorer's weights and preprocessing")]
+                 _row(f"{key}: spread over images", f"{spread:.3g}", "> 0", "n/a" if one else spread > 1e-6,
+                      "every image gets the same score, so every advantage is zero: check the scorer's weights")]
         rows += [] if name in PROMPT_FREE else [_row(
             f"{key}: right vs shifted prompts", f"{s.mean():.4g} vs {w.mean():.4g} ({d.mean() / max(se, 1e-12):+.1f} "
             f"SE)", f">= +{PROMPT_SE:g} SE", d.mean().item() > max(0, PROMPT_SE * se) if ok else "n/a",
@@ -1869,8 +1961,10 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
                                                                                                 timeout=timeout)
-    deadline, timer = time.monotonic() + timeout, threading.Timer(timeout, lambda: _shut(conn.sock))
-    timer.start()
+    deadline = time.monotonic() + timeout
+    conn.connect()  # within the socket's timeout; the timer shuts the socket itself, which http.client sets
+    timer = threading.Timer(deadline - time.monotonic(), _shut, [conn.sock])  # conn.sock to None for a reply that
+    timer.start()  # will close (HTTP/1.0), then read through the reply
     try:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
             conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
@@ -2621,33 +2715,51 @@ def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
              for source in PROMPT_SETS[name]]
     if name != "hpdv2":
         return read_prompt_file(files[0], model), read_prompt_file(files[1], model)
-    try:  # a JSON list of records (image pairs), each with its "prompt"
-        return tuple([{"prompt": p} for p in dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))]
-                     for f in files)
+    try:  # a JSON list of records (image pairs), each with its "prompt"; neither split empty
+        sets = [list(dict.fromkeys(r["prompt"] for r in json.loads(Path(f).read_text()))) for f in files]
+        if not all(sets) or not all(isinstance(p, str) and p.strip() for s in sets for p in s):
+            raise ValueError("an empty split or prompt")
+        return tuple([{"prompt": p} for p in s] for s in sets)
     except (OSError, ValueError, RecursionError, TypeError, KeyError):
-        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records with a 'prompt': delete it") from None
+        raise UsageError(f"{' or '.join(files)} is not HPDv2's list of records, each with a non-empty string 'prompt' "
+                         f"(both splits holding some): delete it") from None
 
 
 def prompt_file(name: str, revision: str, source: tuple) -> str:
-    """A set's file not shipped: in the hub cache, else fetched there and checked (HPDv2's size, Flow-GRPO's blob)."""
+    """A set's file not shipped: in the hub cache, else fetched there; checked at every use against its git blob id
+    (Flow-GRPO's, pinned) or its hash (HPDv2's: the hub keeps a file under it, its size checked on the download)."""
     import urllib.request
-    from huggingface_hub import constants, hf_hub_download
-    cached = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0])
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+    path, hub = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0]), dict(
+        repo_id=HPDV2, filename=source[0], repo_type="dataset", revision=revision)
     try:
-        if name == "hpdv2":  # offline: the cached file, else LocalEntryNotFoundError
-            return hf_hub_download(HPDV2, source[0], repo_type="dataset", revision=revision)
-        if cached.is_file() or constants.HF_HUB_OFFLINE:  # offline, a file not cached raises FileNotFoundError
-            return str(cached.resolve(strict=True))
-        data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
-        if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != source[1]:
-            raise ValueError(f"not git blob {source[1]}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(cached, data)
+        if name == "hpdv2":  # an unreachable hub: one line at once, not after its retries; offline: LocalEntryNotFound
+            if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(**hub), str):
+                get_hf_file_metadata(hf_hub_url(**hub))
+            path = Path(hf_hub_download(**hub))
+        elif path.exists() or constants.HF_HUB_OFFLINE:
+            path.stat()  # offline, a file not cached: FileNotFoundError
+        else:
+            data = urllib.request.urlopen(f"{RAW_GITHUB}/{FLOW_GRPO}/{revision}/{source[0]}", timeout=60).read()
+            if source[1] not in content_ids(data):
+                raise ValueError(f"not git blob {source[1]}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, data)
     except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short) and the hub raise many kinds
         why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
-    return str(cached)
+    pinned = source[1] if name != "hpdv2" else path.resolve().name  # a cache without links: the file's own name
+    data = path.read_bytes() if path.is_file() else None  # a FIFO in its place is not read: it would wait
+    if data is None or pinned != path.name and pinned not in content_ids(data):
+        raise UsageError(f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: "
+                         f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`")
+    return str(path)
+
+
+def content_ids(data: bytes) -> tuple[str, str]:
+    """The ids of a file's bytes: its git blob id (Flow-GRPO's pins) and sha256 (the hub's name of an LFS file)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), hashlib.sha256(data).hexdigest()
 
 
 # ---- Appendix A. The toy world: "a red triangle" on a 16x16 canvas, a rule-based reward with partial credit ----
@@ -2868,19 +2980,22 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
 
 
-def random_depth(model_path: str | None) -> int | None:
-    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one is refused."""
+def random_depth(model_path: str | None, family: str) -> int | None:
+    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one, or N past the
+    published depth of `family`'s blocks, is refused."""
     if not (model_path or "").startswith("random"):
         return None
-    depth = model_path.removeprefix("random").removeprefix(":")
-    if model_path != "random" and not (model_path.startswith("random:") and depth.isdigit() and int(depth) >= 1):
-        raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with N >= 1 blocks")
-    return int(depth) if depth else None
+    depth = model_path.removeprefix("random:")
+    most = max(architecture(family)["transformer"].get(k, 0) for k in ("num_layers", "num_single_layers"))
+    if model_path != "random" and not (depth.isdecimal() and 1 <= int(depth) <= most):
+        raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with 1 <= N <= {most} "
+                         f"blocks")
+    return int(depth) if model_path != "random" else None
 
 
 def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
     """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
-    return build_pipeline(family, architecture(family, random_depth(model_path)), device=device, dtype=dtype)
+    return build_pipeline(family, architecture(family, random_depth(model_path, family)), device=device, dtype=dtype)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -2893,11 +3008,13 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 if __name__ == "__main__":
-    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main,  # fetch-prompts NAME ...: for offline runs
-                "fetch-prompts": lambda names: [print(n, "prompts, train and held out:", *map(len, load_prompts(
-                    n, "sd3"))) for n in names]}
+    fetch = Parser(prog="common.py fetch-prompts", description="fetch prompt sets into the hub cache, for offline use")
+    fetch.add_argument("sets", nargs="+", choices=list(PROMPT_SETS), metavar="NAME", help=", ".join(PROMPT_SETS))
+    commands = {"serve-reward": serve_reward, "evaluate": evaluate_main, "fetch-prompts": lambda argv: [print(
+        n, "prompts, train and held out:", *map(len, load_prompts(n, "sd3"))) for n in fetch.parse_args(argv).sets]}
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
+    sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
     for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
         signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
     with one_line_errors(f"common.py {sys.argv[1]}"):

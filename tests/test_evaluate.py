@@ -145,6 +145,17 @@ def test_bad_input_is_one_line_before_any_model_loads(toy_run, tmp_path, capsys,
     assert (tmp_path / "full" / "x").read_text() == "kept" and (tmp_path / "a_file").read_text() == "kept"
 
 
+def test_a_stale_launcher_variable_is_one_line_and_leaves_no_output_folder(toy_run, tmp_path, capsys, monkeypatch):
+    for name, value in [("RANK", "1"), ("LOCAL_WORLD_SIZE", "0"), ("WORLD_SIZE", "2")]:
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            with pytest.raises(SystemExit) as e:
+                common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "eval")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and f"{name}={value}" in err, err
+        assert not (tmp_path / "eval").exists()
+
+
 def test_evaluates_bounds_are_the_trainers():
     for trainer in TRAINERS:
         fields = {f.name: f.metadata for f in dataclasses.fields(importlib.import_module(trainer).Args)}
@@ -168,6 +179,11 @@ def edited(run_dir, file: str, **changes) -> bytes:
     (b'{"eval_steps": 100000000}', "has no sha256"),
     (lambda run_dir: edited(run_dir, "args.json", eval_steps=3), "does not match its sha256 (edited or damaged)"),
     (lambda run_dir: edited(run_dir, "args.json", reward="jpeg"), "does not match its sha256 (edited or damaged)"),
+    (lambda run_dir: signed(run_dir, "args.json", dtype="fp8"), "holds dtype 'fp8', not a value this code writes"),
+    (lambda run_dir: signed(run_dir, "args.json", eval_images=None), "holds eval_images None, not a value"),
+    (lambda run_dir: signed(run_dir, "args.json", resolution="big"), "holds resolution 'big', not a value"),
+    (lambda run_dir: signed(run_dir, "args.json", run="0" * 16), "is another run's (not the run identity of its "
+                                                                 "checkpoints)"),
 ])
 def test_a_damaged_args_json_is_one_line_and_nothing_is_written(data, why, toy_run, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
@@ -180,8 +196,8 @@ def test_a_damaged_args_json_is_one_line_and_nothing_is_written(data, why, toy_r
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     assert f"{run_dir / 'args.json'} is not a run's args.json this code wrote: it {why}" in err, err
-    assert err.endswith("; move it aside and pass the run's settings as flags (--model-path, --reward, --prompts, "
-                        "--steps, ...)\n"), err
+    assert err.endswith("; move it aside and pass the run's settings as flags (--model-path, --reward, --steps, "
+                        "...)\n"), err
     assert before == {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert not (tmp_path / "eval").exists()
 
@@ -255,7 +271,7 @@ def signed(run_dir, file: str, **changes) -> bytes:
     ({"eval_images": 0}, "error: --images 0 must be at least 1"),
     ({"eval_steps": 0}, "error: --steps 0 must be at least 1"),
     ({"eval_steps": 10**6}, "error: --steps 1000000 must be at least 1 and at most 1000"),
-    ({"resolution": "big"}, "error: --resolution big must be at least 16 and at most 4096 (it is not a number)"),
+    ({"resolution": 8}, "error: --resolution 8 must be at least 16 and at most 4096"),
 ])
 def test_the_values_of_a_runs_args_json_pass_the_flags_checks(changes, message, toy_run, tmp_path, capsys,
                                                               monkeypatch):
@@ -301,12 +317,18 @@ def fifo_folder_or_not_utf8(path, kind: str):
 @pytest.mark.parametrize("kind", ["a FIFO", "a folder", "not UTF-8"])
 @pytest.mark.parametrize("file", ["args.json", "checkpoints/iter_000002/checkpoint.json", "checkpoints/latest"])
 def test_a_file_that_is_a_fifo_a_folder_or_not_utf8_is_one_line_never_a_hang(file, kind, toy_run, tmp_path):
+    """checkpoints/latest is for people, never read: whatever is there, the newest checkpoint is evaluated."""
     run_dir = tmp_path / "run"
     shutil.copytree(toy_run, run_dir)
     fifo_folder_or_not_utf8(run_dir / file, kind)
     out = subprocess.run([sys.executable, str(ROOT / "common.py"), "evaluate", "--checkpoint", str(run_dir),
-                          "--output", str(tmp_path / "eval")], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          "--output", str(tmp_path / "eval"), "--images", "2", "--steps", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if file == "checkpoints/latest":
+        assert out.returncode == 0 and (tmp_path / "eval" / "results.json").is_file(), out.stderr
+        assert json.loads((tmp_path / "eval" / "results.json").read_text())["checkpoints"] == {
+            str(run_dir): str((run_dir / "checkpoints" / "iter_000002").resolve())}
+        return
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("common.py evaluate: error: "), out.stderr
     assert not (tmp_path / "eval").exists()

@@ -122,13 +122,16 @@ def reshard(mode: str, folder):
     fresh model, optimizer, EMA and zeroed extra state, compared with saved.pt (the first leaves AdamW without state,
     as it was)."""
     rt = common.setup_runtime(0, 1)
-    meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True}
+    meta = {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0, "ema": True, "run": "r"}
     done = []
     for saved_as in ("fsdp", "ddp") if mode != "load-plain" else ("fsdp",):
         layout = saved_as if mode == "save" else "fsdp" if mode == "load" else "ddp"
         adapter, params, optimizer, ema = toy_state(rt, layout)
         where = folder / saved_as
         if mode == "save":
+            if rt.is_main:                                                  # a run folder holds its log
+                where.mkdir(parents=True)
+                (where / "metrics.jsonl").write_text('{"iteration": 0}\n')
             common.save_checkpoint(where, 0, adapter, params, False, optimizer, ema, 0.5, meta, rt)  # no AdamW state
             start = full_state(params, optimizer, ema)
             old = [q.detach().clone() for q in params]                  # in the layout's own kind of tensor

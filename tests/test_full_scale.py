@@ -72,10 +72,12 @@ def test_reduced_depth_keeps_every_width():
     assert small["transformer"] == {**full["transformer"], "num_layers": 2, "dual_attention_layers": [0, 1]}
     assert small["text_encoder_3"] == {**full["text_encoder_3"], "num_layers": 1}
     assert small["vae"] == full["vae"]
-    with pytest.raises(common.UsageError, match="write random .full depth. or random:N"):
-        common.random_depth("random:0")
-    assert common.random_depth("random:2") == 2 and common.random_depth("random") is None
-    assert common.random_depth("/some/folder") is None
+    for path, most in [("random:0", 24), ("random:25", 24), ("random:39", 38)]:  # FLUX: 19 double, 38 single blocks
+        family = "sd3" if most == 24 else "flux"
+        with pytest.raises(common.UsageError, match=f"write random .full depth. or random:N with 1 <= N <= {most}"):
+            common.random_depth(path, family)
+    assert common.random_depth("random:24", "sd3") == 24 and common.random_depth("random:38", "flux") == 38
+    assert common.random_depth("random", "sd3") is None and common.random_depth("/some/folder", "flux") is None
 
 
 def test_a_bad_random_model_path_stops_before_any_model_loads(tmp_path):

@@ -77,6 +77,24 @@ def test_an_fp16_run_with_overflows_resumes_bitwise_with_its_loss_scale(tmp_path
     assert scaler["scale"] < 2.0**24                                  # the backed-off scale, not a fresh one
 
 
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -1.0])
+def test_a_loss_scale_restored_from_state_is_finite_and_above_zero(scale, tmp_path, capsys):
+    """state/ rewritten with the loss scale `scale` and its digest signed into checkpoint.json (as other code could):
+    a resume is refused in one line before any step, never a run whose every step overflows."""
+    from test_reliability import one_error_line, rewrite_state
+    argv = ["--model", "toy", "--dtype", "fp16", *QUIET, "--prompts-per-step", "2", "--group-size", "4",
+            "--micro-batch", "4", "--sample-steps", "4", "--save-every", "1"]
+    r = tmp_path / "r"
+    run(flow_grpo, [*argv, "--iterations", "1", "--output-dir", str(r)])
+    ckpt = r / "checkpoints" / "iter_000001"
+    assert training_state(ckpt)["scaler"]["scale"] == 2.0**16
+    rewrite_state(lambda s: {**s, "scaler": {**s["scaler"], "scale": scale}})(ckpt)
+    err = one_error_line(capsys, flow_grpo, [*argv, "--iterations", "2", "--resume", str(r)])
+    assert f"error: {ckpt} is not a checkpoint this code wrote: state/ does not load (ValueError: not finite, or a " \
+           f"loss scale not above 0)" in err, err
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1]
+
+
 def test_the_mean_gradient_norm_leaves_out_skipped_steps():
     w = torch.nn.Parameter(torch.ones(3))
     opt, guard, stats = torch.optim.SGD([w], lr=0.1), common.StepGuard(3, torch.device("cpu")), common.UpdateStats()

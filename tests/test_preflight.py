@@ -146,6 +146,15 @@ def test_what_a_method_does_not_log_is_not_applicable(monkeypatch, tmp_path):
     assert "first update on-policy" not in r
 
 
+def test_one_evaluation_image_has_no_spread_to_judge(tmp_path, recwarn):
+    """--eval-images 1: the spread over images and the prompt test are n/a (not a FAIL), and nothing warns."""
+    code, report = preflight([*TOY, "--eval-images", "1"], tmp_path / "run")
+    r = rows(report)
+    assert code == 0 and report["passed"] and not failed(report), report["rows"]
+    assert r["toy: spread over images"]["status"] == r["toy: right vs shifted prompts"]["status"] == "n/a"
+    assert r["toy: finite"]["status"] == "PASS" and not [w for w in recwarn if "degrees of freedom" in str(w.message)]
+
+
 @pytest.mark.parametrize("clip,fails", [("1e-4", False), ("4e-6", True)])
 def test_where_kernels_do_not_reproduce_the_rollout_the_runs_own_clip_range_judges(clip, fails, monkeypatch, tmp_path):
     """On a device with no exact tolerance (a GPU; here ON_POLICY_TOL emptied), every recomputed log-prob shifted by

@@ -6,14 +6,18 @@ import hashlib
 import http.server
 import importlib
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 import common
-from helpers import TRAINERS
+from helpers import ROOT, TRAINERS
 
 SETS = common.ASSETS / "prompt_sets"
 NOTICE_ROW = re.compile(r"^\| `(\S+)` \| `(\S+)` \| `([0-9a-f]{40})` \| `([0-9a-f]{64})` \| (\d+) \| (\d+) \|$", re.M)
@@ -29,23 +33,38 @@ def notice() -> dict:
     return {m[0]: m[1:] for m in NOTICE_ROW.findall((SETS / "README.md").read_text())}
 
 
-def cache_fetched(hub: Path, name: str, train: str, held_out: str):
-    """The files of set `name` that are not shipped, laid out in `hub` as prompt_file keeps them: HPDv2's in the hub's
-    own layout (datasets--OWNER--NAME/snapshots/REVISION/FILE), Flow-GRPO's under prompt-sets/OWNER/NAME/COMMIT/."""
-    for source, text in zip(common.PROMPT_SETS[name], (train, held_out)):
+def cache_fetched(hub: Path, name: str, train: str, held_out: str, monkeypatch) -> list[Path]:
+    """The files of set `name` that are not shipped, laid out in `hub` as prompt_file keeps them, and their paths:
+    HPDv2's in the hub's own layout (datasets--OWNER--NAME/snapshots/REVISION/FILE, a link to blobs/SHA256),
+    Flow-GRPO's under prompt-sets/OWNER/NAME/COMMIT/, the stand-in's git blob id pinned in its place."""
+    paths = []
+    for i, (source, text) in enumerate(zip(common.PROMPT_SETS[name], (train, held_out))):
         if isinstance(source, str):
             continue
+        data = text.encode()
         if name == "hpdv2":
-            path = hub / f"datasets--{common.HPDV2.replace('/', '--')}" / "snapshots" / common.REVISIONS[common.HPDV2]
+            repo = hub / f"datasets--{common.HPDV2.replace('/', '--')}"
+            path = repo / "snapshots" / common.REVISIONS[common.HPDV2] / source[0]
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            path.symlink_to(Path("..", "..", "blobs", blob.name))
         else:
-            path = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO]
-        (path / source[0]).parent.mkdir(parents=True, exist_ok=True)
-        (path / source[0]).write_text(text)
+            path = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO] / source[0]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            sources = list(common.PROMPT_SETS[name])
+            sources[i] = (source[0], git_blob_id(data))
+            monkeypatch.setitem(common.PROMPT_SETS, name, tuple(sources))
+        paths.append(path)
+    return paths
 
 
-def test_every_shipped_file_is_its_source_file_and_held_out_split(empty_hub):
+def test_every_shipped_file_is_its_source_file_and_held_out_split(empty_hub, monkeypatch):
     for name in ("ocr", "geneval"):  # their train files are fetched: a stand-in
-        cache_fetched(empty_hub, name, '{"prompt": "p"}\n', "")
+        cache_fetched(empty_hub, name, '{"prompt": "p"}\n', "", monkeypatch)
     rows = notice()
     shipped = {s for sources in common.PROMPT_SETS.values() for s in sources if isinstance(s, str)}
     assert set(rows) == shipped and (SETS / "LICENSE").read_text().startswith("MIT License")
@@ -64,7 +83,7 @@ def test_every_shipped_file_is_its_source_file_and_held_out_split(empty_hub):
 
 
 @pytest.mark.parametrize("name", common.PROMPT_SETS)
-def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_cache(name, empty_hub):
+def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_cache(name, empty_hub, monkeypatch):
     if name not in FETCHED:
         train, held_out = common.load_prompts(name, "flux")
         assert train and held_out
@@ -75,15 +94,12 @@ def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_ca
                         rf"`HF_HUB_OFFLINE=0 python common\.py fetch-prompts {name}` \(a failed download keeps "
                         rf"nothing\)", str(e.value)), str(e.value)
     if name == "hpdv2":  # records of image pairs: their distinct prompts, in order
-        cache_fetched(empty_hub, name, json.dumps([{"prompt": "a cat", "x": 1}, {"prompt": "a dog"},
-                                                     {"prompt": "a cat"}]), json.dumps([{"prompt": "a fox"}]))
+        records = [{"prompt": "a cat", "x": 1}, {"prompt": "a dog"}, {"prompt": "a cat"}]
+        cache_fetched(empty_hub, name, json.dumps(records), json.dumps([{"prompt": "a fox"}]), monkeypatch)
         assert common.load_prompts(name, "flux") == ([{"prompt": "a cat"}, {"prompt": "a dog"}], [{"prompt": "a fox"}])
-        cache_fetched(empty_hub, name, json.dumps({"prompt": "not a list"}), "[]")
-        with pytest.raises(common.UsageError, match="is not HPDv2's list of records with a 'prompt'"):
-            common.load_prompts(name, "flux")
         return
     record = {"prompt": 'a sign that says "hi"', "tag": "t"}
-    cache_fetched(empty_hub, name, json.dumps(record) if name == "geneval" else record["prompt"], "")
+    cache_fetched(empty_hub, name, json.dumps(record) if name == "geneval" else record["prompt"], "", monkeypatch)
     train, held_out = common.load_prompts(name, "flux")
     assert train == [record if name == "geneval" else {"prompt": record["prompt"]}]  # GenEval's keep their metadata
     assert held_out == common.load_prompts(name, "sd3")[1] and len(held_out) == {"ocr": 1018, "geneval": 2212}[name]
@@ -179,6 +195,99 @@ def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_
         cached.unlink()
     with pytest.raises(common.UsageError, match=r"not fetched \(URLError: .*a failed download keeps nothing"):
         common.load_prompts("ocr", "sd3")
+
+
+@pytest.mark.parametrize("train,held_out", [
+    ({"prompt": "not a list"}, []),
+    ([{"prompt": 5}], [{"prompt": "a fox"}]),
+    ([{"prompt": ["a", "cat"]}], [{"prompt": "a fox"}]),
+    ([{"prompt": "  "}], [{"prompt": "a fox"}]),
+    ([{"text": "a cat"}], [{"prompt": "a fox"}]),
+    ([], [{"prompt": "a fox"}]),
+    ([{"prompt": "a cat"}], []),
+])
+@pytest.mark.parametrize("trainer", TRAINERS[:1])
+def test_hpdv2_records_without_a_non_empty_string_prompt_are_one_line_before_the_run_folder(
+        trainer, train, held_out, empty_hub, tmp_path, capsys, monkeypatch):
+    cache_fetched(empty_hub, "hpdv2", json.dumps(train), json.dumps(held_out), monkeypatch)
+    module = importlib.import_module(trainer)
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, [
+            "--model", "sd3", "--model-path", "random:1", "--reward", "jpeg", "--prompts", "hpdv2", "--output-dir",
+            str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "is not HPDv2's list of records, each with a non-empty string 'prompt' (both splits holding some): " \
+           "delete it" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def within(seconds: float, call):
+    """call() in a thread: its result or exception, or a failure if it has not returned after `seconds` (a hang)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_outcome(call)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"no answer in {seconds} s: a read that waits"
+    return box[0]
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - returned for the test to look at
+        return e
+
+
+@pytest.mark.parametrize("name", ["ocr", "hpdv2"])
+@pytest.mark.parametrize("damage", ["edited", "cut short", "a FIFO", "a folder"])
+def test_a_cached_file_is_checked_at_every_start_and_a_damaged_one_is_one_line_never_a_hang(name, damage, empty_hub,
+                                                                                            monkeypatch):
+    """Flow-GRPO's file against its pinned git blob id, HPDv2's against the hash the hub names its blob after."""
+    good = json.dumps([{"prompt": "a cat"}]) if name == "hpdv2" else "a sign that says 'hi'\n" * 3
+    path = cache_fetched(empty_hub, name, good, json.dumps([{"prompt": "a fox"}]), monkeypatch)[0]
+    assert common.load_prompts(name, "flux")[0][0]["prompt"] in ("a cat", "a sign that says 'hi'")
+    target = path.resolve()                                            # HPDv2's: the blob the snapshot links to
+    if damage == "edited":
+        target.write_text(good.replace("a", "o"))
+    elif damage == "cut short":
+        target.write_text(good[:-3])
+    else:
+        target.unlink()
+        os.mkfifo(target) if damage == "a FIFO" else target.mkdir()
+    error = within(10, lambda: common.load_prompts(name, "flux"))
+    assert isinstance(error, common.UsageError), error
+    pinned = target.name if name == "hpdv2" else common.PROMPT_SETS[name][0][1]
+    assert str(error) == f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: " \
+                         f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`"
+
+
+def test_fetch_prompts_has_its_usage_and_refuses_an_unknown_set_in_one_line():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "fetch-prompts", "--help"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: common.py fetch-prompts [-h] NAME [NAME ...]"), out
+    assert "pickscore, hpdv2, ocr, geneval, drawbench" in out.stdout and out.stderr == "", out
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "fetch-prompts", "pickscore", "nope"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr == (
+        "common.py fetch-prompts: error: argument NAME: invalid choice: 'nope' (choose from 'pickscore', 'hpdv2', "
+        "'ocr', 'geneval', 'drawbench')\n"), out
+
+
+def test_an_unreachable_hub_is_one_line_at_once_without_retries(tmp_path, monkeypatch, caplog, capsys):
+    """The network allowed but nothing answers at the hub's address: no retries over tens of seconds, no log lines."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    tic = time.time()
+    with pytest.raises(common.UsageError, match=r"^--prompts hpdv2 needs train.json, not fetched \((ConnectError|"
+                                                r"ConnectionError)"):
+        common.load_prompts("hpdv2", "flux")
+    assert time.time() - tic < 15 and not caplog.records and not capsys.readouterr().err
+    assert not (tmp_path / "hub").exists() or not any(p.is_file() for p in (tmp_path / "hub").rglob("*"))
 
 
 def test_a_gzipped_prompt_file_is_read_and_one_that_does_not_decompress_is_one_line(tmp_path):

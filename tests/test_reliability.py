@@ -192,9 +192,10 @@ def test_rewinding_into_the_same_folder_is_refused_and_an_empty_one_continues_th
     run(flow_grpo, [*tiny(), "--iterations", "4", "--save-every", "2", "--output-dir", str(r)])
     before, ckpt2 = snapshot(r), r / "checkpoints" / "iter_000002"
     for out in ([], ["--output-dir", str(r)]):
-        with pytest.raises(common.UsageError, match=re.escape(f"{ckpt2} is older than {r}'s newest checkpoint "
-                                                              f"iter_000004: continue it in a new or empty "
-                                                              f"--output-dir (nothing in {r} is moved or deleted)")):
+        with pytest.raises(common.UsageError, match=re.escape(f"{r / 'checkpoints' / 'iter_000004'} is past iteration "
+                                                              f"2, where this run would start: move it out of ") +
+                           ".* else continue " + re.escape(f"{ckpt2} in a new or empty --output-dir (nothing in {r} "
+                                                           f"is moved or deleted)")):
             run(flow_grpo, [*tiny(), "--iterations", "3", *out, "--resume", str(ckpt2)])
     assert snapshot(r) == before
     elsewhere.mkdir()                                                      # empty
@@ -218,8 +219,9 @@ def test_a_cut_last_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_path
 
 
 def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(tmp_path, monkeypatch):
-    """--time-budget with --save-every 1 saves iteration 2 twice (periodic, then final): the first, complete one is
-    kept and `latest` names it. A temporary folder left by a killed write is removed at the next start."""
+    """--time-budget with --save-every 1 saves iteration 2 twice (periodic, then final): the run saves it once. A save
+    onto a folder already there stops, naming it, and leaves it as it was. A temporary folder left by a killed write
+    is removed at the next start."""
     calls = []
     monkeypatch.setattr(common, "out_of_time", lambda t0, budget, device: calls.append(budget) or len(calls) > 2)
     r = tmp_path / "r"
@@ -227,7 +229,9 @@ def test_a_checkpoint_is_never_replaced_and_stale_temporary_folders_are_cleaned(
     ckpt = r / "checkpoints" / "iter_000002"
     assert (r / "checkpoints" / "latest").read_text() == "iter_000002" and (ckpt / "checkpoint.json").is_file()
     before = {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")}
-    common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))  # exists: kept
+    message = f"{ckpt} is already there, so iteration 2 was not saved: move it out of {ckpt.parent} and --resume {r}"
+    with pytest.raises(common.TrainingStopped, match=re.escape(message)):
+        common.save_checkpoint(r, 2, None, [], True, None, None, 0.0, {}, common.setup_runtime(0, 1))
     assert {f: f.stat().st_mtime_ns for f in ckpt.rglob("*")} == before
     (r / "checkpoints" / ".tmp-killed").mkdir()
     monkeypatch.undo()
@@ -364,12 +368,15 @@ def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
     """TrainingLoop's extra_state (a tensor, a list of tensors) goes into state/ with the rest and loads back in
     place, bit for bit; a checkpoint without the extra state a run expects is refused in one line."""
     rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
-                                            "ema": False}
+                                            "ema": False, "run": "r"}
     adapter = common.load_model("toy", rt)
     params = common.add_lora(adapter.transformer, 0, 0.0, [])
     optimizer = torch.optim.AdamW(params)
     old = torch.randn(5, 3, dtype=torch.float64)                          # dtypes are kept: float64, int64
     pair = [torch.randn(4), torch.arange(6, dtype=torch.int64)]
+    for run_dir in (tmp_path / "a", tmp_path / "b"):                   # a run folder holds its log
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text('{"iteration": 0}\n')
     with_extra = common.save_checkpoint(tmp_path / "a", 1, adapter, params, False, optimizer, None, 2.5, meta, rt,
                                         {"old": old, "pair": pair})
     without = common.save_checkpoint(tmp_path / "b", 1, adapter, params, False, optimizer, None, 2.5, meta, rt)
@@ -407,15 +414,31 @@ def run_at_3(tmp_path_factory):
 
 
 def rewrite_state(keep):
-    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state) and the
-    checkpoint's identity (checkpoint.json's "id")."""
+    """A damage: state/ saved again with torch.distributed.checkpoint, holding keep(its training state), and its
+    digest signed into checkpoint.json, as other code could: a state/ that checkpoint.json names but that does not
+    load."""
     def damage(checkpoint):
         import torch.distributed.checkpoint as dcp
         from helpers import training_state
-        state = {"id": training_state(checkpoint)["id"], **keep(training_state(checkpoint))}
+        state = keep(training_state(checkpoint))
         shutil.rmtree(checkpoint / "state")
         common.single_process(dcp.save, state, checkpoint / "state")
+        signed(checkpoint, "state", common.state_digest(checkpoint / "state"))
     return damage
+
+
+def signed(checkpoint, key, value=None):
+    """checkpoint.json with `key` set to `value` (None: left out) and signed again, as other code could."""
+    info = {**common.read_own_json(checkpoint / "checkpoint.json"), key: value}
+    (checkpoint / "checkpoint.json").write_text(common.own_json({k: v for k, v in info.items() if v is not None}))
+
+
+def flip_a_bit(checkpoint):
+    """A bit flipped in the tensor file: every number still finite (the lowest bit of the last byte's mantissa)."""
+    path = checkpoint / "state" / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
 
 
 def write(name, data):
@@ -428,6 +451,7 @@ def edit(key, value):
 
 
 STATE, JSON = "state/ does not load (", "checkpoint.json "
+DIGEST = STATE + "ValueError: its files are not those checkpoint.json's digest names: changed since, or another's)"
 DAMAGES = {
     "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + "RuntimeError: Missing key"),
     "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + "RuntimeError: Missing key in "
@@ -439,14 +463,15 @@ DAMAGES = {
     "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
         **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
         STATE + "ValueError: Size mismatch"),
-    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), STATE),
-    "a NaN in state/ (bytes flipped)": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"][
-        "0"].index_fill(0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite)"),
-    "another identity in state/": (rewrite_state(lambda s: {**s, "id": s["id"] + 1}),
-                                   STATE + "ValueError: another checkpoint's state/)"),
-    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), STATE),
-    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), STATE),
-    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), STATE),
+    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), DIGEST),
+    "a NaN in state/": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"]["0"].index_fill(
+        0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite, or a loss scale not above 0)"),
+    "a bit flipped in state/": (flip_a_bit, DIGEST),
+    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), DIGEST),
+    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), DIGEST),
+    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), DIGEST),
+    "a FIFO for a tensor file": (lambda c: (c / "state" / "__0_0.distcp").unlink() or os.mkfifo(
+        c / "state" / "__0_0.distcp"), DIGEST),
     "no checkpoint.json": (lambda checkpoint: (checkpoint / "checkpoint.json").unlink(), "no checkpoint there"),
     "checkpoint.json an array": (write("checkpoint.json", b"[1, 2, 3]"), JSON + "is a JSON list, not an object"),
     "checkpoint.json empty": (write("checkpoint.json", b""), JSON + "does not read (JSONDecodeError: Expecting value"),
@@ -457,6 +482,15 @@ DAMAGES = {
     **{f"checkpoint.json with {key} {value!r}": (edit(key, value), JSON + "does not match its sha256")
        for key, value in [("iteration", 2), ("iteration", -5), ("world_size", 0), ("elapsed", -1.0),
                           ("lora_rank", -4), ("iteration", "3"), ("ema", True), ("sha256", "0" * 64)]},
+    **{f"checkpoint.json signed again with {key} {value!r}": (lambda c, key=key, value=value: signed(c, key, value),
+                                                             JSON + f"holds {key} {value!r}, not a value this code "
+                                                                    f"writes") for key, value in [
+        ("iteration", "3"), ("iteration", 1.5), ("iteration", -5), ("iteration", True), ("elapsed", "abc"),
+        ("elapsed", math.nan), ("elapsed", math.inf), ("lora_alpha", -1.0), ("ema", 0), ("state", [])]},
+    **{f"checkpoint.json signed again without {key}": (lambda c, key=key: signed(c, key), JSON + f"holds {key} None")
+       for key in ("model", "trainer", "world_size", "state", "loss_scale")},  # no state: written before digests
+    "checkpoint.json signed again with iteration 7": (lambda c: signed(c, "iteration", 7), JSON + "names iteration 7, "
+                                                      "not that of its folder's name"),
 }
 
 
@@ -497,28 +531,29 @@ def an_earlier_state(r, other):
 
 
 def a_copied_checkpoint(r, other):
-    shutil.copytree(other / "checkpoints" / "iter_000003", r / "checkpoints" / "iter_000004")
-    (r / "checkpoints" / "latest").write_text("iter_000004")
+    shutil.rmtree(r / "checkpoints" / "iter_000003")
+    shutil.copytree(other / "checkpoints" / "iter_000003", r / "checkpoints" / "iter_000003")
 
 
-def latest_outside(r, other):
-    (r / "checkpoints" / "latest").write_text(f"../../{other.name}/checkpoints/iter_000002")
+def a_rollback(r, other):
+    """An older checkpoint copied to a newer name."""
+    shutil.copytree(r / "checkpoints" / "iter_000001", r / "checkpoints" / "iter_000004")
 
 
-LIES = {"another run's state/": (another_runs_state, "iter_000003", STATE + "ValueError: another checkpoint's state/)"),
-        "a link to an earlier state/": (an_earlier_state, "iter_000003", STATE + "ValueError: another checkpoint's "
-                                                                                  "state/)"),
-        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000004", "its run identity is not that "
-                                                                                      "of {r}/args.json"),
-        "latest outside the run": (latest_outside, "", "checkpoints/latest names '../../b/checkpoints/iter_000002', "
-                                                       "not one of its checkpoints/iter_*")}
+LIES = {"another run's state/": (another_runs_state, "iter_000003", DIGEST),
+        "a link to an earlier state/": (an_earlier_state, "iter_000003", DIGEST),
+        "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "{r}/metrics.jsonl does not "
+                                                 "begin with the lines logged before it was saved (a copy's "
+                                                 "checkpoint, or an edited log)"),
+        "an older checkpoint copied to a newer name": (a_rollback, "iter_000004", "checkpoint.json names iteration 1, "
+                                                                                 "not that of its folder's name")}
 
 
-@pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")
-                                        if (lie, resume) != ("latest outside the run", "auto")])  # auto: no `latest`
+@pytest.mark.parametrize("lie,resume", [(lie, resume) for lie in LIES for resume in ("auto", "run")])
 def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, resume, two_runs, tmp_path, capsys):
-    """What checkpoint.json points at is checked too: state/ holds the checkpoint's identity, the run folder's
-    args.json the run's, and `latest` names one of the run's own checkpoints; neither folder is written."""
+    """What checkpoint.json points at is checked too: state/ against its digest, the folder's name is its iteration,
+    and continuing in place, the run's metrics.jsonl begins with the log it was saved after; neither folder is
+    written."""
     r, other = tmp_path / "a", tmp_path / "b"
     shutil.copytree(two_runs / "a", r)
     shutil.copytree(two_runs / "b", other)
@@ -527,26 +562,125 @@ def test_a_checkpoint_folder_that_lies_is_one_line_and_nothing_is_written(lie, r
     before, before_other = snapshot(r), snapshot(other)
     flags = ["--resume", "auto", "--output-dir", str(r)] if resume == "auto" else ["--resume", str(r)]
     err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
-    assert f"error: {r / 'checkpoints' / name if name else r} is not a checkpoint this code wrote: " \
+    assert f"error: {r / 'checkpoints' / name} is not a checkpoint this code wrote: " \
            f"{message.format(r=r)}" in err, err
     assert snapshot(r) == before and snapshot(other) == before_other
 
 
 def test_a_run_folder_moved_or_copied_whole_resumes(two_runs, tmp_path):
+    """`latest` is for people: deleted or naming anything, the run resumes from its newest complete checkpoint."""
     moved, copied = tmp_path / "moved", tmp_path / "copied"
     shutil.copytree(two_runs / "a", moved)
     shutil.copytree(two_runs / "a", copied)
+    (moved / "checkpoints" / "latest").unlink()
+    (copied / "checkpoints" / "latest").write_text("../../b/checkpoints/iter_000002")
     run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", "auto", "--output-dir", str(moved)])
     run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(copied)])
     for r in (moved, copied):
         assert (r / "checkpoints" / "latest").read_text() == "iter_000004"
         assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3, 4]
+        assert [m["from_iteration"] for m in markers(r)] == [3]
+
+
+def a_copy_trained_on(r, tmp_path) -> Path:
+    """A copy of run folder r that trained on one iteration past r's newest checkpoint, 3."""
+    copy = tmp_path / "copy"
+    shutil.copytree(r, copy)
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(copy)])
+    return copy
+
+
+def test_a_copy_that_trained_on_cannot_hand_its_checkpoint_back_to_the_original(two_runs, tmp_path, capsys):
+    """The copy's iter_000004 put into the original: its metrics.jsonl lacks the copy's lines, so the checkpoint is
+    refused there in one line; a new --output-dir continues it."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    copy = a_copy_trained_on(r, tmp_path)
+    shutil.copytree(copy / "checkpoints" / "iter_000004", r / "checkpoints" / "iter_000004")
+    before = snapshot(r)
+    for flags in (["--resume", str(r)], ["--resume", "auto", "--output-dir", str(r)]):
+        err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+        assert f"error: {r / 'checkpoints' / 'iter_000004'} is not a checkpoint this code wrote: " \
+               f"{r / 'metrics.jsonl'} does not begin with the lines logged before it was saved" in err, err
+    assert snapshot(r) == before
+    run(flow_grpo, [*TOY, "--iterations", "5", "--eval-every", "0", "--resume", str(r), "--output-dir",
+                    str(tmp_path / "new")])
+    assert [m["iteration"] for m in read_metrics(tmp_path / "new")] == [4, 5]
+
+
+def damage_args(r, other, kind):
+    path = r / "args.json"
+    if kind == "cut short":
+        path.write_bytes(path.read_bytes()[:100])
+    elif kind == "another run's":
+        shutil.copy(other / "args.json", path)
+    else:
+        path.unlink()
+        if kind == "a folder":
+            path.mkdir()
+        elif kind == "a FIFO":
+            os.mkfifo(path)
+
+
+@pytest.mark.parametrize("kind,why", [("deleted", "does not read (FileNotFoundError"),
+                                      ("cut short", "does not read (JSONDecodeError"),
+                                      ("a folder", "does not read (OSError: args.json is not a regular file)"),
+                                      ("a FIFO", "does not read (OSError: args.json is not a regular file)"),
+                                      ("another run's", "is another run's (not the run identity of its checkpoints)")])
+def test_a_damaged_args_json_is_one_line_naming_it_not_the_checkpoints(kind, why, two_runs, tmp_path, capsys):
+    """The run's checkpoints are intact: the line names args.json; the newest continues in a new --output-dir."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    damage_args(r, two_runs / "b", kind)
+    ckpt = r / "checkpoints" / "iter_000003"
+    for flags in (["--resume", str(r)], ["--resume", "auto", "--output-dir", str(r)]):
+        err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+        assert f"error: {r / 'args.json'} is not a run's args.json this code wrote: it {why}" in err, err
+        assert err.endswith(f"; continue {ckpt} in a new --output-dir\n") and "not a checkpoint" not in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000001", "iter_000002", "iter_000003", "latest"]
+    assert [m["iteration"] for m in read_metrics(r)] == [0, 1, 2, 3]
+    run(flow_grpo, [*TOY, "--iterations", "4", "--eval-every", "0", "--resume", str(r), "--output-dir",
+                    str(tmp_path / "new")])
+    assert [m["iteration"] for m in read_metrics(tmp_path / "new")] == [3, 4]
+
+
+@pytest.mark.parametrize("resume", ["auto", "run"])
+def test_an_incomplete_checkpoint_past_the_start_is_one_line_naming_it_and_nothing_is_written(resume, two_runs,
+                                                                                            tmp_path, capsys):
+    """An interrupted copy (iter_000003 without its checkpoint.json): the run would start at iteration 2 and its
+    save of iteration 3 could not be written; refused before anything is written, naming the folder to move."""
+    r = tmp_path / "r"
+    shutil.copytree(two_runs / "a", r)
+    (r / "checkpoints" / "iter_000003" / "checkpoint.json").unlink()
+    before = snapshot(r)
+    flags = ["--resume", "auto", "--output-dir", str(r)] if resume == "auto" else ["--resume", str(r)]
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", *flags])
+    assert f"error: {r / 'checkpoints' / 'iter_000003'} is past iteration 2, where this run would start: move it " \
+           f"out of {r / 'checkpoints'} if it is incomplete, else continue {r / 'checkpoints' / 'iter_000002'} in a " \
+           f"new or empty --output-dir (nothing in {r} is moved or deleted)\n" in err, err
+    assert snapshot(r) == before
+    shutil.rmtree(r / "checkpoints" / "iter_000003")                    # moved out: the run goes on from 2
+    run(flow_grpo, [*TOY, "--iterations", "3", "--eval-every", "0", *flags])
+    assert (r / "checkpoints" / "iter_000003" / "checkpoint.json").is_file()
+
+
+def test_the_newest_checkpoint_is_the_highest_numbered_complete_one(tmp_path):
+    """Numbers past 999999 sort as numbers, a folder without checkpoint.json or not named iter_ + digits is not one."""
+    names = {"iter_999999": True, "iter_1000000": True, "iter_2000000": False, "iter_3000000x": True, "iter_": True}
+    for name, complete in names.items():
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if complete:
+            (tmp_path / "checkpoints" / name / "checkpoint.json").write_text("{}")
+    assert common.newest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "iter_1000000"
+    assert common.newest_checkpoint(tmp_path, complete=False) == tmp_path / "checkpoints" / "iter_2000000"
+    assert common.find_checkpoint(str(tmp_path)) == tmp_path / "checkpoints" / "iter_1000000"
+    assert common.newest_checkpoint(tmp_path / "nowhere") is None
 
 
 def test_non_finite_extra_state_is_never_saved(tmp_path):
     """The guard that keeps non-finite weights out of a checkpoint covers all it holds: a method's extra_state too."""
     rt, meta = common.setup_runtime(0, 1), {"trainer": "flow_grpo", "model": "toy", "lora_rank": 0, "lora_alpha": 0.0,
-                                            "ema": False}
+                                            "ema": False, "run": "r"}
     adapter = common.load_model("toy", rt)
     params = common.add_lora(adapter.transformer, 0, 0.0, [])
     for extra in ({"old": torch.tensor([1.0, math.nan])}, {"pair": [torch.zeros(2), torch.tensor([math.inf])]}):
@@ -558,17 +692,23 @@ def test_non_finite_extra_state_is_never_saved(tmp_path):
 
 @pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
 def test_a_metrics_jsonl_that_is_not_a_file_is_one_line(kind, run_at_3, tmp_path, capsys):
-    r = tmp_path / "r"
+    """Continuing in place: the checkpoint's log is not there, refused at the start (never a read that waits); a new
+    run in a folder holding only that: its first write stops it."""
+    r, new = tmp_path / "r", tmp_path / "new"
     shutil.copytree(run_at_3, r)
-    (r / "metrics.jsonl").unlink()
-    os.mkfifo(r / "metrics.jsonl") if kind == "a FIFO" else (r / "metrics.jsonl").mkdir()
+    new.mkdir()
+    for folder in (r, new):
+        (folder / "metrics.jsonl").unlink(missing_ok=True)
+        os.mkfifo(folder / "metrics.jsonl") if kind == "a FIFO" else (folder / "metrics.jsonl").mkdir()
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", "--resume", str(r)])
+    assert f"error: {r / 'checkpoints' / 'iter_000003'} is not a checkpoint this code wrote: {r / 'metrics.jsonl'} " \
+           f"does not begin with the lines logged before it was saved" in err, err
+    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
     with pytest.raises(SystemExit) as stop:
-        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--iterations", "5",
-                                                                                  "--resume", str(r)])
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--output-dir", str(new)])
     err = capsys.readouterr().err
     assert stop.value.code == 1 and "Traceback" not in err, err
-    assert f": could not write {r / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
-    assert sorted(os.listdir(r / "checkpoints")) == ["iter_000003", "latest"]
+    assert f": could not write {new / 'metrics.jsonl'} (metrics.jsonl is not a regular file)" in err, err
 
 
 def test_checkpoints_are_written_with_the_process_umask(tmp_path):

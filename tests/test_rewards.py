@@ -127,9 +127,11 @@ def test_a_request_the_server_refuses_stops_at_once_and_failures_stop_after_the_
     assert server.requests == 3
 
 
-def test_a_server_that_sends_a_byte_now_and_then_trips_the_deadline():
-    """One byte every 0.2 s never trips a 1 s socket timeout, which restarts with each read: the deadline does."""
-    with raw_server([DRIP]) as server:
+@pytest.mark.parametrize("in_the_body", [False, True])
+def test_a_server_that_sends_a_byte_now_and_then_trips_the_deadline(in_the_body):
+    """One byte every 0.2 s never trips a 1 s socket timeout, which restarts with each read: the deadline does, in
+    the headers or in the body of an HTTP/1.0 reply (read after http.client hands the connection to the reply)."""
+    with raw_server([DRIP_BODY if in_the_body else DRIP]) as server:
         tic = time.time()
         with pytest.raises(common.TrainingStopped, match=r"did not answer \(TimeoutError: no complete reply within "
                                                          r"1 s\) \(2 tries"):
@@ -388,6 +390,7 @@ class socket_port:
 
 
 DRIP = object()  # raw_server's reply: a status line and a header sent one byte every 0.2 s, for ever
+DRIP_BODY = object()  # raw_server's reply: HTTP/1.0 headers promising 100 bytes, then a byte of them every 0.2 s
 
 
 class raw_server:
@@ -421,9 +424,10 @@ class raw_server:
             size = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))
             while len(body) < size:
                 body += conn.recv(65536)
-            if reply is not DRIP:
+            if reply not in (DRIP, DRIP_BODY):
                 return conn.sendall(reply)
-            conn.sendall(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+            conn.sendall(b"HTTP/1.0 200 OK\r\nX-Slow: " if reply is DRIP else
+                         b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
             while not self.stop.wait(0.2):
                 conn.sendall(b"a")
 
@@ -614,11 +618,11 @@ class silent_server:
         self.sock.close()
 
 
-@pytest.mark.parametrize("kind,requests,timeout", [("silent", 20, 0.2), ("drip", 10, 0.5)])
+@pytest.mark.parametrize("kind,requests,timeout", [("silent", 20, 0.2), ("drip", 10, 0.5), ("drip body", 10, 0.5)])
 def test_requests_past_their_deadline_leave_no_thread_or_connection_behind(kind, requests, timeout):
     """Requests to a server that never answers, or sends a byte every 0.2 s: each is closed at its deadline, so
     the thread count is back where it was (the drip server's threads end when their client has gone)."""
-    with silent_server() if kind == "silent" else raw_server([DRIP]) as server:
+    with silent_server() if kind == "silent" else raw_server([DRIP if kind == "drip" else DRIP_BODY]) as server:
         baseline = threading.active_count()
         reward = common.RemoteReward(server.url, timeout=timeout, retries=0)
         for _ in range(requests):

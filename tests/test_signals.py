@@ -167,20 +167,41 @@ def test_an_unknown_command_is_the_usage_and_exit_status_2(argv):
     assert out.stderr == "usage: python common.py serve-reward | evaluate | fetch-prompts [--help]\n", out.stderr
 
 
-@pytest.mark.parametrize("script", ["flow_grpo.py", "common.py"])
-def test_a_closed_stdout_stops_the_printing_not_the_run(script, tmp_path):
-    """stdout a pipe whose reader has gone before the first line (`| head -n 0`): every print fails with EPIPE; the
-    run (or evaluation) goes on to its end, exit status 0, without a traceback."""
-    argv = ["evaluate", "--model", "toy", "--images", "4", "--output", str(tmp_path / "out")] if script == "common.py" \
-        else ["--model", "toy", *SMALL, "--iterations", "2", "--output-dir", str(tmp_path / "r")]
+def run_with_streams(script: str, argv: list, how: str):
+    """Runs `script` with stdout and stderr as `how` says: "closed stdout" (a pipe whose reader has gone before the
+    first line), "head -n 2" (both into a pipe whose reader takes two lines and goes), "/dev/full" (stdout onto a
+    full disk), "/dev/full twice" (both). Returns (exit status, what stderr read, if anything read it)."""
+    full, cmd = open("/dev/full", "w"), [sys.executable, str(ROOT / script), *map(str, argv)]
     read, write = os.pipe()
-    os.close(read)
     try:
-        out = subprocess.run([sys.executable, str(ROOT / script), *argv], stdout=write, stderr=subprocess.PIPE,
-                             text=True, env=ENV, timeout=300)
+        if how == "closed stdout":
+            os.close(read)
+            out = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, env=ENV, timeout=300)
+            return out.returncode, out.stderr
+        if how == "head -n 2":
+            proc = subprocess.Popen(cmd, stdout=write, stderr=write, env=ENV)
+            with os.fdopen(read) as head:
+                lines = [head.readline(), head.readline()]
+            assert all(lines), lines
+            return proc.wait(timeout=300), ""
+        err = full if how == "/dev/full twice" else subprocess.PIPE
+        out = subprocess.run(cmd, stdout=full, stderr=err, text=True, env=ENV, timeout=300)
+        return out.returncode, out.stderr or ""
     finally:
         os.close(write)
-    assert out.returncode == 0 and "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-3000:]
+        full.close()
+
+
+@pytest.mark.parametrize("script,how", [("flow_grpo.py", "closed stdout"), ("flow_grpo.py", "head -n 2"),
+                                        ("flow_grpo.py", "/dev/full"), ("common.py", "closed stdout"),
+                                        ("common.py", "/dev/full twice")])
+def test_a_closed_or_full_stdout_or_stderr_stops_the_printing_not_the_run(script, how, tmp_path):
+    """Every print (tqdm's bars on stderr too) fails with EPIPE or ENOSPC: the run (or evaluation) goes on to its end,
+    exit status 0, without a traceback."""
+    argv = ["evaluate", "--model", "toy", "--images", "4", "--output", tmp_path / "out"] if script == "common.py" \
+        else ["--model", "toy", *SMALL, "--iterations", "2", "--output-dir", tmp_path / "r"]
+    code, err = run_with_streams(script, argv, how)
+    assert code == 0 and "Traceback" not in err and "Error" not in err, err[-3000:]
     if script == "common.py":
         assert (tmp_path / "out" / "results.json").is_file() and (tmp_path / "out" / "grid.png").is_file()
     else:

@@ -51,6 +51,10 @@ STARTUP = [
     (["--model", "sd3", "--model-path", "nobody/no-such-model"],
      "the model repository nobody/no-such-model is not in the hub cache and HF_HUB_OFFLINE is set: download it "
      "with `hf download nobody/no-such-model`, or set HF_HUB_OFFLINE=0"),
+    (["--model", "flux", "--model-path", "random:99999999"], "--model-path random:99999999: write random (full depth) "
+                                                             "or random:N with 1 <= N <= 38 blocks"),
+    (["--model", "sd3", "--model-path", "random:25"], "or random:N with 1 <= N <= 24 blocks"),
+    (["--model-path", "random:1"], "no toy weights in random:1"),
     (["--model", "flux", "--resolution", "0"], "--resolution 0 must be at least 16"),
     (["--model", "sd3", "--resolution", "7"], "--resolution 7 must be at least 16"),
     (["--model", "flux", "--resolution", "-16"], "--resolution -16 must be at least 16"),
@@ -130,6 +134,46 @@ def test_a_bad_startup_is_one_line(trainer, flags, words, tmp_path, capsys, monk
     err = one_line(capsys, module, [*small_run(trainer), "--output-dir", str(out), *argv])
     assert "error: " in err and words in err, err
     assert tiny or not out.exists()                                 # refused before the run folder was made
+
+
+LAUNCHER = [
+    ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_RANK=0 and LOCAL_WORLD_SIZE=0: torchrun sets integers, 0 <= LOCAL_RANK < "
+                                "LOCAL_WORLD_SIZE; launch with torchrun, or unset those left in the shell"),
+    ({"RANK": "1"}, "RANK=1 and WORLD_SIZE=1: torchrun sets integers, 0 <= RANK < WORLD_SIZE"),  # a stale RANK
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without torchrun's MASTER_ADDR and MASTER_PORT: launch with torchrun, or "
+                          "unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x"}, "WORLD_SIZE=2 without"),
+    ({"RANK": "x"}, "RANK=x and WORLD_SIZE=1: torchrun sets integers"),
+    ({"WORLD_SIZE": "2.0"}, "RANK=0 and WORLD_SIZE=2.0: torchrun sets integers"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 and LOCAL_WORLD_SIZE=1: torchrun sets integers"),
+]
+
+
+@pytest.mark.parametrize("env,words", LAUNCHER, ids=[" ".join(f"{k}={v}" for k, v in e.items()) for e, _ in LAUNCHER])
+def test_the_launchers_variables_each_earn_one_line(env, words, tmp_path, capsys, monkeypatch):
+    """A variable left in a shell, or WORLD_SIZE without torchrun: one line on stderr (whatever RANK says), before
+    anything is written."""
+    module = importlib.import_module(TRAINERS[0])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    err = one_line(capsys, module, [*small_run(TRAINERS[0]), "--output-dir", str(out)])
+    assert "error: " in err and words in err, err
+    assert not out.exists()
+
+
+def test_a_working_folder_that_cannot_be_written_names_output_dir(tmp_path, capsys, monkeypatch):
+    """Without --output-dir a run makes runs/ in the working folder; where it cannot (a read-only one, or one removed
+    since): one line naming --output-dir."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    module = importlib.import_module(TRAINERS[0])
+    err = one_line(capsys, module, small_run(TRAINERS[0]))
+    assert "error: cannot write to --output-dir runs (No such file or directory): pass a writable folder" in err, err
 
 
 def test_a_forked_trainer_brings_its_rows_with_its_test_file(tmp_path, monkeypatch):
