@@ -1,8 +1,9 @@
 """Fuzzes the trainers' start-up: random flags (numbers at and past their bounds, NaN, inf, words), prompt files
 (empty, not UTF-8, malformed JSON lines), --resume targets (missing, a file, a damaged checkpoint, another trainer's
-run) and --model-path values (missing, a file, an empty folder, a corrupt pipeline), each start-up in a fresh
-process with a time limit. Every case must end in a clean refusal (exit 2, one `error:` line, no traceback), run
-(exit 0) or stop in one line once it has begun (an unreachable remote scorer); a traceback or a hang is reported.
+run, damaged run folders continued in place) and --model-path values (missing, a file, an empty folder, a corrupt
+pipeline), each start-up in a fresh process with a time limit. Every case must end in a clean refusal (exit 2, one
+`error:` line, no traceback), run (exit 0) or stop in one line once it has begun (an unreachable remote scorer); a
+traceback or a hang is reported.
 
     python tests/fuzz_startup.py --cases 200 --seed 0          # a table of outcomes per trainer, exit 1 on any bad
 """
@@ -45,18 +46,26 @@ def fixtures(tmp: Path, python: str) -> dict:
     run = tmp / "run"
     subprocess.run([python, str(ROOT / "flow_grpo.py"), *QUICK, "--output-dir", str(run)], capture_output=True,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600, check=True)
-    ckpt = run / "checkpoints" / "iter_000001"
-    damaged = {"bad_json": lambda d: (d / "checkpoint.json").write_text("{"),
-               "negative": lambda d: (d / "checkpoint.json").write_text(json.dumps(
-                   {**json.loads((ckpt / "checkpoint.json").read_text()), "iteration": -5})),
-               "no_state": lambda d: [f.unlink() for f in (d / "state").iterdir()],
-               "metadata": lambda d: (d / "state" / ".metadata").write_bytes(b"garbage")}
-    targets = [str(run), str(ckpt), str(tmp / "nowhere"), str(tmp / "ok.txt"), "auto"]
+    ckpt = Path("checkpoints", "iter_000001")
+    damaged = {"bad_json": lambda d: (d / ckpt / "checkpoint.json").write_text("{"),
+               "negative": lambda d: (d / ckpt / "checkpoint.json").write_text(json.dumps(
+                   {**json.loads((d / ckpt / "checkpoint.json").read_text()), "iteration": -5})),
+               "no_state": lambda d: [f.unlink() for f in (d / ckpt / "state").iterdir()],
+               "metadata": lambda d: (d / ckpt / "state" / ".metadata").write_bytes(b"garbage"),
+               "flipped_bit": lambda d: flip_last_bit(d / ckpt / "state" / "__0_0.distcp"),
+               "renamed": lambda d: (d / ckpt).rename(d / "checkpoints" / "iter_000003"),
+               "incomplete_next": lambda d: (d / "checkpoints" / "iter_000002").mkdir(),
+               "no_args": lambda d: (d / "args.json").unlink(),
+               "fifo_args": lambda d: (d / "args.json").unlink() or os.mkfifo(d / "args.json"),
+               "fifo_log": lambda d: (d / "metrics.jsonl").unlink() or os.mkfifo(d / "metrics.jsonl")}
+    targets = [str(run), str(run / ckpt), str(tmp / "nowhere"), str(tmp / "ok.txt"), "auto"]
+    in_place = []  # damaged run folders, resumed in place (--output-dir the folder itself)
     for name, damage in damaged.items():
-        copy = tmp / f"ckpt_{name}"
-        subprocess.run(["cp", "-r", str(ckpt), str(copy)], check=True)
+        copy = tmp / f"run_{name}"
+        subprocess.run(["cp", "-r", str(run), str(copy)], check=True)
         damage(copy)
-        targets.append(str(copy))
+        targets.append(str(copy / ckpt) if (copy / ckpt).is_dir() else str(copy))
+        in_place.append(str(copy))
     (tmp / "empty_dir").mkdir()
     pipe = tmp / "corrupt_pipe"
     (pipe / "transformer").mkdir(parents=True)
@@ -64,7 +73,13 @@ def fixtures(tmp: Path, python: str) -> dict:
     (pipe / "transformer" / "config.json").write_text("{")
     models = [str(tmp / "nowhere"), str(tmp / "ok.txt"), str(tmp / "empty_dir"), str(pipe), "random:x", "random:0",
               "owner/name", "a/b/c"]
-    return {"prompts": [str(tmp / n) for n in prompts], "resume": targets, "model_path": models}
+    return {"prompts": [str(tmp / n) for n in prompts], "resume": targets, "in_place": in_place, "model_path": models}
+
+
+def flip_last_bit(path: Path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
 
 
 def case(rng: random.Random, trainer: str, fx: dict, tmp: Path, i: int) -> list[str]:
@@ -76,8 +91,11 @@ def case(rng: random.Random, trainer: str, fx: dict, tmp: Path, i: int) -> list[
             argv += [flag, rng.choice(REWARDS if flag == "--reward" else NUMBERS)]
         elif kind < 0.65:
             argv += ["--prompts", rng.choice(fx["prompts"])]
-        elif kind < 0.85:
+        elif kind < 0.78:
             argv += ["--resume", rng.choice(fx["resume"])]
+        elif kind < 0.85:
+            folder = rng.choice(fx["in_place"])
+            argv += ["--resume", rng.choice([folder, "auto"]), "--output-dir", folder]
         else:
             argv += ["--model", rng.choice(["flux", "sd3", "toy"]), "--model-path", rng.choice(fx["model_path"])]
     return argv
