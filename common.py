@@ -553,8 +553,7 @@ def print0(*args, **kwargs):
 
 @dataclasses.dataclass
 class _Stream:
-    """sys.stdout or sys.stderr of a command: a write that fails (its reader gone, a full disk) points the stream's fd
-    at /dev/null, so the printing stops, not the run."""
+    """stdout or stderr of a command: a write that fails (reader gone, disk full) stops the printing, not the run."""
     stream: io.TextIOBase
 
     def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: each write has flushed, or failed
@@ -664,8 +663,7 @@ _SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
-    """The first SIGTERM / SIGINT asks for a checkpoint and stop (or cuts an `interruptible` block short), a second ends
-    the process at once."""
+    """A first SIGTERM / SIGINT asks for a checkpoint and stop (or ends an `interruptible` block); a second exits."""
     name = signal.Signals(signum).name
     if _SIGNALLED["signum"]:  # a second signal: stop now
         print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)
@@ -802,11 +800,9 @@ def setup_training(args) -> Runtime:
     if args.lora_rank:
         check_flag("lora_alpha", args.lora_alpha, at_least=1e-12)
     check_model(args.model, args.model_path, args.reward)
-    if args.wandb:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb") from None
+    from importlib.util import find_spec
+    if args.wandb and find_spec("wandb") is None:
+        raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb")
     rt = setup_runtime(args.seed, args.threads, args.dtype, args.model)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
@@ -844,21 +840,18 @@ def check_model(name: str, path: str | None, reward: str | None = None):
         raise UsageError(f"the model repository {repo} is not in the hub cache and HF_HUB_OFFLINE is set: download it "
                          f"with `hf download {repo}`, or set HF_HUB_OFFLINE=0")
     for config in configs:
-        try:
-            ok = isinstance(json.loads(config.read_text()), dict)
-        except (OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
-            ok = False
-        if not ok:
-            raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline "
-                             f"again (save_pretrained) or download it again")
+        with contextlib.suppress(OSError, ValueError, RecursionError):  # missing, not UTF-8, not JSON, nested too deep
+            if isinstance(json.loads(config.read_text()), dict):
+                continue
+        raise UsageError(f"--model-path {repo}: {config} is missing or not a JSON object: save the pipeline again "
+                         f"(save_pretrained) or download it again")
     check_scorer_files(names)
 
 
 class TrainingLoop:
     """What a trainer's loop does around its method (the shared `loop` and `loop-end` blocks): the clock, evaluations,
-    the log, checkpoints, the work counts and the signal checks (README, Outputs and metrics). It loads --resume's
-    checkpoint into params, optimizer, EMA, the guard's loss scale and `extra_state` (name -> tensor or list of
-    tensors: the method's own), and saves them alike."""
+    the log, checkpoints, work counts, signal checks (README, Outputs and metrics). It loads --resume's checkpoint into
+    params, optimizer, EMA, the loss scale and `extra_state` (name -> tensor or tensors: the method's), saved alike."""
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
@@ -869,8 +862,12 @@ class TrainingLoop:
         self.eval_prompts, self.reward_fn = eval_prompts, reward_fn
         elapsed = load_checkpoint(run.checkpoint, params, optimizer, ema, extra_state, self.scaler) \
             if run.checkpoint else 0.0
-        if rt.is_main:  # the first write: every check before it has passed
-            run.log_start()
+        args_file = run.dir / "args.json"  # the run's first writes, every check passed and the checkpoint loaded:
+        if rt.is_main and (run.checkpoint is not None or args_file.exists()):  # a restart, or a checkpoint continued
+            append_line(run.dir / "metrics.jsonl", {"resumed": {"from_iteration": run.start, "checkpoint": str(
+                run.checkpoint.resolve()) if run.checkpoint else None, "args": run.config}})
+        if rt.is_main and not args_file.exists():  # the first start
+            write_atomic(args_file, own_json(run.config))
         self.t0 = time.time() - elapsed
         self.wandb = None
         if rt.is_main and args.wandb:
@@ -976,8 +973,7 @@ class TrainingLoop:
         return res
 
     def begin(self, it: int) -> dict | None:
-        """Starts iteration `it` (a signal stops, an evaluation when due): its metrics line, or None once the last,
-        (--iterations or --time-budget reached) is logged."""
+        """Starts iteration `it` (signal check, evaluation if due): its metrics, or None once the last is logged."""
         a = self.args
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
         self.stop_if_signalled(it)
@@ -1081,29 +1077,16 @@ class Run:
     checkpoint: Path | None = None
     start: int = 0
 
-    def log_start(self):
-        """Rank 0, after the checkpoint loads: the first start writes args.json; every later one, and a new folder
-        continuing a checkpoint, appends {"resumed": {...}} to metrics.jsonl."""
-        args_file = self.dir / "args.json"
-        if self.checkpoint is not None or args_file.exists():
-            append_line(self.dir / "metrics.jsonl", {"resumed": {
-                "from_iteration": self.start, "checkpoint": str(self.checkpoint.resolve()) if self.checkpoint else None,
-                "args": self.config}})
-        if not args_file.exists():
-            write_atomic(args_file, own_json(self.config))
-
 
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
     """Decides the run folder and the checkpoint --resume continues before any model loads, and claims the folder
     until the run ends (rank 0 decides; every rank gets its answer or its UsageError; README, Outputs and metrics)."""
     meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "ema": args.ema}
-    run = None
-    if rt.is_main:
-        try:
-            run = _prepare_run(args, meta, rt.world_size)
-        except UsageError as e:
-            run = e
+    try:
+        run = _prepare_run(args, meta, rt.world_size) if rt.is_main else None
+    except UsageError as e:
+        run = e
     run = broadcast_object(run)
     if isinstance(run, UsageError):
         raise run
@@ -1114,8 +1097,7 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     output_dir, resume, checkpoint, start = args.output_dir, args.resume, None, 0
     if resume == "auto":
         if output_dir is None:
-            raise UsageError("--resume auto continues the run in --output-dir: pass the same --output-dir on every "
-                             "restart")
+            raise UsageError("--resume auto continues the run in --output-dir: pass it on every restart")
         checkpoint = newest_checkpoint(Path(output_dir))
     elif resume:
         checkpoint = find_checkpoint(resume)
@@ -1141,7 +1123,9 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     lock = _hold_folder(run_dir)
     with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
         meta["run"] = read_own_json(run_dir / "args.json").get("run")
-    if holds_run(run_dir):
+    log = run_dir / "metrics.jsonl"  # a run is there: checkpoints/, or a logged line besides resume markers
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    if (run_dir / "checkpoints").is_dir() or any(line.strip() and not line.startswith('{"resumed"') for line in lines):
         if checkpoint is None and resume != "auto":
             raise UsageError(f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or a new "
                              f"--output-dir")
@@ -1155,9 +1139,9 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
                              f"empty --output-dir (nothing in {run_dir} is moved or deleted)")
         if checkpoint is not None:  # in place: the run's log begins with the lines it was saved after; its args.json
             info = checkpoint_info(checkpoint)
-            if file_sha256(run_dir / "metrics.jsonl", info["log_bytes"]) != info["log_sha256"]:
-                raise not_written_here(checkpoint, f"{run_dir / 'metrics.jsonl'} does not begin with the lines logged "
-                                                   f"before it was saved (a copy's checkpoint, or an edited log)")
+            if file_sha256(log, info["log_bytes"]) != info["log_sha256"]:
+                raise not_written_here(checkpoint, f"{log} does not begin with the lines logged before it was saved "
+                                                   f"(a copy's checkpoint, or an edited log)")
             meta["run"] = run_settings(checkpoint, info, f"continue {checkpoint} in a new --output-dir")["run"]
     meta["run"] = meta.get("run") or secrets.token_hex(8)
     os.ftruncate(lock, 0)
@@ -1165,13 +1149,6 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
     for stale in (run_dir / "checkpoints").glob(".tmp-*"):  # left by a write that was killed
         shutil.rmtree(stale, ignore_errors=True)
     return Run(run_dir, meta, {**dataclasses.asdict(args), "run": meta["run"]}, checkpoint, start)
-
-
-def holds_run(run_dir: Path) -> bool:
-    """Whether run_dir holds a run: checkpoints/, or a metrics.jsonl line besides resume markers."""
-    metrics = run_dir / "metrics.jsonl"
-    return (run_dir / "checkpoints").is_dir() or metrics.is_file() and any(
-        line.strip() and not line.startswith('{"resumed"') for line in metrics.read_text(errors="replace").splitlines())
 
 
 def writable_folder(folder: Path, flag: str):
@@ -1228,16 +1205,14 @@ def find_checkpoint(path: str, flag: str = "--resume") -> Path:
 
 
 def newest_checkpoint(run_dir: Path, complete: bool = True) -> Path | None:
-    """A run folder's highest-numbered checkpoints/iter_N that is complete (has a checkpoint.json; complete=False: or
-    not), or None."""
+    """A run folder's highest-numbered checkpoints/iter_N with a checkpoint.json (complete=False: or not), or None."""
     found = [p for p in (run_dir / "checkpoints").glob("iter_*") if p.name[5:].isascii() and p.name[5:].isdigit()
              and (p / "checkpoint.json").is_file() >= complete]
     return max(found, key=lambda p: int(p.name[5:]), default=None)
 
 
 def own_json(record: dict) -> str:
-    """The text of a JSON file this code writes and reads back (checkpoint.json, args.json): `record` and a sha256 of
-    it, so that read_own_json tells a file edited or damaged since, or written by other code."""
+    """`record` as JSON with its sha256, so that read_own_json tells a file edited, damaged or written by other code."""
     return json.dumps({**record, "sha256": _sha256(record)}, indent=2)
 
 
@@ -1294,7 +1269,7 @@ def not_written_here(checkpoint: Path, why: str) -> UsageError:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json as write_checkpoint wrote it, in its iteration's folder, else not_written_here."""
+    """A checkpoint's checkpoint.json as save_checkpoint wrote it, in its iteration's folder, else not_written_here."""
     try:
         info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
         if checkpoint.name != f"iter_{info['iteration']:06d}":
@@ -1350,8 +1325,11 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN complete or not at all (a temporary folder renamed into place, then
-    `latest`), never over one there; every rank calls it, returning once it is in place. Non-finite weights: refused."""
+    """Writes run_dir/checkpoints/iter_NNNNNN on every rank, whole or not at all (a temporary folder renamed, then
+    `latest`), never over one there: the published weights (the EMA's if kept), state/ (training_state), checkpoint.json
+    (own_json: state/'s digest, metrics.jsonl's size and sha256). Non-finite weights or a failure on a rank stop all."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
     if not finite([params, ema and ema.shadow, optimizer and optimizer.state, extra_state], rt.device):
         raise TrainingStopped(f"the weights after iteration {iteration} are not finite and were not saved: "
@@ -1359,26 +1337,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     if broadcast_object(final.exists()):  # a save never replaces a folder
         raise TrainingStopped(f"{final} is already there, so iteration {iteration} was not saved: move it out of "
                               f"{final.parent} and --resume {run_dir}")
-    nonce = broadcast_object(secrets.randbits(62))
-    kept, tmp = newest_checkpoint(run_dir), final.parent / f".tmp-{final.name}-{nonce:x}"  # a name never reused
-    write_checkpoint(tmp, {**meta, "iteration": iteration, "elapsed": elapsed}, adapter, params, lora,
-                     optimizer, ema, rt, f"the checkpoint of iteration {iteration} to {final.parent}, whose newest "
-                     f"kept is {kept.name if kept else 'none'}", extra_state, scaler)
-    if rt.is_main:
-        os.replace(tmp, final)
-        write_atomic(final.parent / "latest", final.name)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
-
-
-def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
-                     rt: Runtime, what: str, extra_state: dict | None = None, scaler=None):
-    """Writes a checkpoint into the new `folder` of a run folder on every rank: the published weights (the EMA's if
-    kept), state/ (training_state), then checkpoint.json (own_json, with state/'s digest and the size and sha256 of the
-    run's metrics.jsonl). A failure on any rank removes it and stops all, naming `what`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    kept, token = newest_checkpoint(run_dir), broadcast_object(secrets.token_hex(8))
+    folder = final.parent / f".tmp-{final.name}-{token}"
     sharded, stepped, error = any(hasattr(q, "to_local") for q in params), bool(optimizer.state), None
     try:
         if rt.is_main:
@@ -1402,18 +1362,25 @@ def write_checkpoint(folder: Path, info: dict, adapter, params: list, lora: bool
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
-                log = folder.parent.parent / "metrics.jsonl"  # the lines logged so far, which a resume in place extends
-                info = {**info, "world_size": rt.world_size, "optimizer_stepped": stepped, "tensors": len(params),
-                        "loss_scale": scaler is not None, "state": digest, "log_bytes": log.stat().st_size,
-                        "log_sha256": file_sha256(log)}
+                log = Path(run_dir) / "metrics.jsonl"  # the lines logged so far, which a resume in place extends
+                info = {**meta, "iteration": iteration, "elapsed": elapsed, "world_size": rt.world_size,
+                        "optimizer_stepped": stepped, "tensors": len(params), "loss_scale": scaler is not None,
+                        "state": digest, "log_bytes": log.stat().st_size, "log_sha256": file_sha256(log)}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
     if not all_ranks([error is None], rt.device, dist.ReduceOp.MIN)[0]:  # a failure on any rank stops every rank
         if rt.is_main:
             shutil.rmtree(folder, ignore_errors=True)
-        raise TrainingStopped(f"could not write {what} ({error or 'on another rank'}); free disk space or pass another "
-                              f"--output-dir and --resume the last checkpoint there")
+        raise TrainingStopped(f"could not write the checkpoint of iteration {iteration} to {final.parent}, whose "
+                              f"newest kept is {kept.name if kept else 'none'} ({error or 'on another rank'}); free "
+                              f"disk space or pass another --output-dir and --resume the last checkpoint there")
+    if rt.is_main:
+        os.replace(folder, final)
+        write_atomic(final.parent / "latest", final.name)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
 
 
 def state_digest(folder: Path, names: list[str] | None = None) -> dict:
@@ -1556,9 +1523,8 @@ def _to_uint8(images: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, reward_fn, runtime: Runtime,
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
-    """Held-out evaluation with the ODE sampler, split over ranks: image i has prompt i mod len(records) and noise
-    seeded by (seed, i), the same for any number of ranks or batch size. Returns (metrics, rows): eval_reward,
-    eval_<name>, their _se and eval_accuracy (README, Metrics); [(prompt, images (n, 3, H, W))], the grid's rows."""
+    """Held-out ODE evaluation split over ranks, image i with prompt i mod len(records) and noise of (seed, i) for any
+    ranks or batch size: (metrics (README, Metrics), the grid's rows [(prompt, images (n, 3, H, W))])."""
     sigmas = adapter.sigmas(steps)
     names = list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
@@ -1624,9 +1590,8 @@ def evaluate_main(argv=None) -> dict:
     ap.add_argument("--images", type=int, help="images in all, prompts cycling (default: the run's --eval-images)")
     ap.add_argument("--steps", type=int, help="ODE steps (default: the run's --eval-steps)")
     ap.add_argument("--seed", type=int, help="image i's noise is seeded by (seed, i) (default: the run's)")
-    ap.add_argument("--resolution", type=int)
-    ap.add_argument("--guidance-scale", type=float)
-    ap.add_argument("--max-sequence-length", type=int)
+    for flag, kind in [("--resolution", int), ("--guidance-scale", float), ("--max-sequence-length", int)]:
+        ap.add_argument(flag, type=kind, help="default: the run's, else the model's")
     ap.add_argument("--dtype", choices=list(DTYPES), help="as the trainers' --dtype (default: the run's)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
@@ -1640,12 +1605,9 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         raise UsageError("--checkpoint compares at most two models side by side")
     entries = []  # (label, checkpoint folder or None, its checkpoint.json, its run's args.json)
     for spec in a.checkpoint or ["base"]:
-        if spec == "base":
-            entries.append(("base", None, {}, {}))
-            continue
-        checkpoint = find_checkpoint(spec, "--checkpoint")
-        info = checkpoint_info(checkpoint)
-        entries.append((spec, checkpoint, info, run_settings(checkpoint, info)))
+        checkpoint = None if spec == "base" else find_checkpoint(spec, "--checkpoint")
+        info = checkpoint_info(checkpoint) if checkpoint else {}
+        entries.append((spec, checkpoint, info, run_settings(checkpoint, info) if checkpoint else {}))
     folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
     if len(folders) == 2 and folders[0] == folders[1]:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
@@ -1659,16 +1621,16 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         raise UsageError("pass --model for the base model, or --checkpoint with a trained run")
     model = models.pop()
 
-    def pick(flag, key, fallback=None):
+    def pick(flag, fallback=None):  # the flag, else the run's setting (args.json), else `fallback`
         value = getattr(a, flag)
-        return value if value is not None else run.get(key, fallback)
-    reward_spec = pick("reward", "reward", EVAL_DEFAULTS[model][0])
-    steps, images = pick("steps", "eval_steps", EVAL_DEFAULTS[model][1]), pick("images", "eval_images", 64)
-    seed, dtype = pick("seed", "seed", 0), pick("dtype", "dtype")
-    for flag, (low, high) in EVAL_BOUNDS.items():  # a flag, or the value the run's args.json gives it
-        check_flag(flag, pick(flag, {"images": "eval_images", "steps": "eval_steps"}.get(flag, flag)), low, high)
-    check_model(model, pick("model_path", "model_path"), reward_spec)
-    train, held_out = load_prompts(pick("prompts", "prompts"), model)
+        return value if value is not None else run.get({"images": "eval_images", "steps": "eval_steps"}.get(
+            flag, flag), fallback)
+    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", EVAL_DEFAULTS[model][1])
+    images, seed, dtype = pick("images", 64), pick("seed", 0), pick("dtype")
+    for flag, (low, high) in EVAL_BOUNDS.items():
+        check_flag(flag, pick(flag), low, high)
+    check_model(model, pick("model_path"), reward_spec)
+    train, held_out = load_prompts(pick("prompts"), model)
     records = list({id(r): r for r in train + held_out}.values()) if a.all_prompts else held_out
     out_dir = Path(a.output or Path("evals") / f"{model}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
@@ -1682,9 +1644,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     reward_fn = build_reward(reward_spec, rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
-        adapter = load_model(model, rt, pick("model_path", "model_path"), pick("resolution", "resolution"),
-                             pick("guidance_scale", "guidance_scale"),
-                             pick("max_sequence_length", "max_sequence_length"))
+        adapter = load_model(model, rt, pick("model_path"), pick("resolution"), pick("guidance_scale"),
+                             pick("max_sequence_length"))
         if checkpoint is not None:
             load_trained_weights(adapter, checkpoint, info)
         adapter.transformer.eval()
@@ -1702,11 +1663,9 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
                 print0(f"  {label:<40} {name:<20} {m[f'eval_{name}']:.4f} +- {m[f'eval_{name}_se']:.4f}")
             if "eval_accuracy" in m:
                 print0(f"  {label:<40} {'accuracy':<20} {m['eval_accuracy']:.4f}")
-        summary = {"model": model, "checkpoints": {label: str(ckpt.resolve()) if ckpt else None
-                                                   for label, ckpt, _, _ in entries},
-                   "reward": reward_spec, "prompts": pick("prompts", "prompts"),
-                   "all_prompts": a.all_prompts, "prompt_count": len(records), "images": images, "steps": steps,
-                   "seed": seed, "results": results}
+        summary = {"model": model, "reward": reward_spec, "prompts": pick("prompts"), "all_prompts": a.all_prompts,
+                   "checkpoints": {label: ckpt and str(ckpt.resolve()) for label, ckpt, _, _ in entries},
+                   "prompt_count": len(records), "images": images, "steps": steps, "seed": seed, "results": results}
         write_atomic(out_dir / "results.json", json.dumps(summary, indent=2))
         merged = [(prompt, torch.cat([r[i][1] for r in rows])) for i, (prompt, _) in enumerate(rows[0])]
         save_image_grid(merged, out_dir / "grid.png", groups=list(results) if len(rows) > 1 else None)
@@ -2053,8 +2012,6 @@ def serve_reward(argv=None):
     server.serve_forever()
 
 
-
-
 # ---- 13. Behind Part I's interfaces: the model adapters, the scorers, the prompt sets, and how they load ----
 def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int | None = None,
                guidance_scale: float | None = None, max_sequence_length: int | None = None,
@@ -2100,9 +2057,8 @@ class FluxFamilyAdapter:
 
     def velocity(self, net, x, t, cond):
         t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32)
+        guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32) \
+            if self.transformer.config.guidance_embeds else None
         with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
             out = net(hidden_states=x.to(self.weights_dtype), timestep=t, guidance=guidance,
                       pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
@@ -2183,8 +2139,7 @@ class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
 
 
 class SD3Adapter(PipelineAdapter):
-    """Stable Diffusion 3.5 Medium: CFG with the empty prompt as negative (both branches in one batch, as the
-    pipeline does), static shift 3, timesteps 1000 t."""
+    """SD 3.5 Medium: CFG with the empty prompt as negative (one batch, as the pipeline), static shift 3, t * 1000."""
 
     lora_targets = SD3_LORA_TARGETS
 
@@ -2250,20 +2205,13 @@ def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
 
 
 class ToyReward:
-    """The toy world's rule-based reward (0.5 colour + 0.5 shape); see toy_reward."""
+    """The toy world's 0.5 colour + 0.5 shape: rule-based (toy_reward), or `soft`, continuous (toy_soft_reward)."""
 
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def __call__(self, images, prompts, metadata=None):
-        return toy_reward(images, prompts).to(self.device)
-
-
-class ToySoftReward(ToyReward):
-    """The toy world's continuous reward (0.5 colour distance + 0.5 shape IoU, both soft); see toy_soft_reward."""
+    def __init__(self, device="cpu", soft: bool = False):
+        self.device, self.score = device, toy_soft_reward if soft else toy_reward
 
     def __call__(self, images, prompts, metadata=None):
-        return toy_soft_reward(images, prompts).to(self.device)
+        return self.score(images, prompts).to(self.device)
 
 
 class JpegCompressibility:
@@ -2336,9 +2284,8 @@ class CLIPScore(_CLIPSimilarity):
 
 
 class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 fine-tuned on human preferences): cos(image, text), no logit scale, its open_clip
-    checkpoint as a transformers CLIPModel of CLIP-H's config (openclip_model: open_clip needs torchvision); images
-    preprocessed as the hpsv2 package does (resize_max_size, on the float images rather than 8-bit PIL ones)."""
+    """HPS v2.1 (OpenCLIP ViT-H-14 tuned on human preferences): cos(image, text), no logit scale; its open_clip
+    checkpoint as a CLIPModel of CLIP-H (openclip_model), images preprocessed as hpsv2 (resize_max_size, float)."""
 
     model_id, filename, processor_id = "xswu/HPSv2", "HPS_v2.1_compressed.pt", CLIP_H
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
@@ -2358,9 +2305,8 @@ class HPSv2(_CLIPSimilarity):
 
 
 class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (open_clip ViT-H-14 with QuickGELU, the 224 px checkpoint): cos(image, text), no logit scale, the
-    papers' CLIP reward (README, Rewards), loaded as HPSv2, preprocessed as its open_clip config's resize_mode "squash":
-    a bicubic resize to 224 x 224, no crop."""
+    """DFN5B CLIP-H (open_clip ViT-H-14, QuickGELU, 224 px): the papers' CLIP reward (README, Rewards), cos(image, text)
+    loaded as HPSv2, preprocessed as its open_clip config's resize_mode "squash": bicubic to 224 x 224, no crop."""
 
     model_id, filename, quick_gelu = "apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin", True
     preprocess = _CLIPSimilarity.preprocess
@@ -2404,10 +2350,9 @@ def edit_distance(a: str, b: str) -> int:
 
 
 def ocr_reward(recognised: str, prompt: str) -> float:
-    """The official OcrScorer's text-rendering reward, 1 - d / len(target) in [0, 1]. The target: the prompt's text
-    after its first double quote, up to the next one if any, else the whole prompt. Both are lower-cased without any
-    whitespace (the lines read come newline-separated). d = 0 when the target occurs in the recognised text, else
-    their edit distance capped at len(target). An empty target scores 1 (the official code divides by 0)."""
+    """The official OcrScorer's reward 1 - d / len(target) in [0, 1]; target: the prompt's text after its first double
+    quote up to the next (else the whole prompt), both lower-cased without whitespace; d = 0 if the target is in the
+    recognised text, else min(their edit distance, len(target)). An empty target scores 1 (the official code fails)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
     if target in text:
@@ -2417,7 +2362,7 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 class OCRScore:
     """ocr_reward(the text read in each image, its prompt), read by GOT-OCR 2.0 (transformers, 561M parameters) in
-    place of the official PaddleOCR (got_ocr_read); a failed read raises, never a 0; `last_texts`: the last call's."""
+    place of the official PaddleOCR (recognise); a failed read raises, never a 0; `last_texts`: the last call's."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
                  max_new_tokens: int = 128):
@@ -2429,8 +2374,18 @@ class OCRScore:
 
     @torch.no_grad()
     def recognise(self, images: torch.Tensor) -> list[str]:
-        """The text read in each image (N,3,H,W) in [0, 1]."""
-        return got_ocr_read(self.processor, self.model, images, self.max_new_tokens)
+        """The text read in each image (N,3,H,W) in [0, 1]: GOT-OCR 2.0's greedy, batched read (8-bit, PIL backend) up
+        to max_new_tokens or <|im_end|> / <|endoftext|>, passed explicitly: its generation config sets no end token."""
+        tok, vision = self.processor.tokenizer, self.model.config.vision_config
+        stop = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+                if i is not None and i != tok.unk_token_id]
+        patches = -(-(vision.image_size // vision.patch_size) // 4)  # the projector's two stride-2 convolutions: 16
+        inputs = self.processor(pil_images(images), num_image_tokens=patches ** 2, return_tensors="pt").to(self.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        out = self.model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
+                                  eos_token_id=stop, pad_token_id=stop[0] if tok.pad_token_id is None else
+                                  tok.pad_token_id)
+        return self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
@@ -2460,7 +2415,7 @@ class ImageRewardScore:
 
 REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore, "clipscore": CLIPScore,
            "clipscore-h": CLIPScoreH, "hpsv2": HPSv2, "aesthetic": Aesthetic, "ocr": OCRScore,
-           "imagereward": ImageRewardScore, "toy-soft": ToySoftReward}
+           "imagereward": ImageRewardScore, "toy-soft": lambda device="cpu": ToyReward(device, soft=True)}
 
 
 def short_reward_name(name: str) -> str:
@@ -2491,10 +2446,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             if name not in REWARDS or name in out:
                 raise UsageError(f"unknown or repeated reward {name!r} in --reward {spec!r}; "
                                  f"known rewards: {', '.join(REWARDS)}, or remote:http://HOST:PORT/NAME")
-        try:
+        out[name] = math.nan
+        with contextlib.suppress(ValueError):
             out[name] = float(w) if w else 1.0
-        except ValueError:
-            out[name] = math.nan
         if not math.isfinite(out[name]):
             raise UsageError(f"bad weight {w!r} for reward {name!r} in --reward {spec!r}; use name:number")
         if abs(out[name]) > torch.finfo(torch.float32).max:
@@ -2622,8 +2576,7 @@ def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dty
     for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
         emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
     if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
-        raise RuntimeError(f"openclip_model: {meta[0]!r} was not loaded (this transformers' CLIPModel has a new "
-                           f"tensor)")
+        raise RuntimeError(f"openclip_model: {meta[0]!r}, new in this transformers' CLIPModel, was not loaded")
     return model
 
 
@@ -2638,25 +2591,9 @@ def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
     return head
 
 
-def got_ocr_read(processor, model, images: torch.Tensor, max_new_tokens: int) -> list[str]:
-    """GOT-OCR 2.0's greedy, batched read of images (N,3,H,W) in [0, 1] (8-bit, PIL backend), up to max_new_tokens or
-    <|im_end|> / <|endoftext|>, passed explicitly: the checkpoint's generation config sets no end token."""
-    tok = processor.tokenizer
-    stop = [i for i in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-            if i is not None and i != tok.unk_token_id]
-    vision = model.config.vision_config  # the projector's two stride-2 convolutions quarter the patch grid: 256
-    inputs = processor(pil_images(images), num_image_tokens=(-(-(vision.image_size // vision.patch_size) // 4)) ** 2,
-                       return_tensors="pt").to(model.device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    out = model.generate(**inputs, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop,
-                         pad_token_id=stop[0] if tok.pad_token_id is None else tok.pad_token_id)
-    return processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
 def read_prompt_file(path: str, model: str) -> list[dict]:
-    """The records of a UTF-8 prompt file (a byte-order mark skipped; .txt or .jsonl in any case, gzipped if .gz), or a
-    UsageError naming the file and line: missing, not gzip or UTF-8, a .jsonl line without a non-empty string "prompt"
-    or with another split, a toy prompt naming no colour or shape, no prompts, or splits without a training one."""
+    """A UTF-8 prompt file's records (.txt or .jsonl in any case, .gz gzipped, a BOM skipped), else a UsageError naming
+    file and line: unreadable, a bad .jsonl line or split, a toy prompt without colour or shape, no training prompts."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"prompt file {path!r} does not exist: pass --prompts with a .txt (one prompt a line) or "
@@ -2745,7 +2682,7 @@ def prompt_file(name: str, revision: str, source: tuple) -> str:
                 raise ValueError(f"not git blob {source[1]}")
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, data)
-    except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short) and the hub raise many kinds
+    except Exception as e:  # noqa: BLE001 - urllib, http.client (IncompleteRead: cut short), the hub raise many kinds
         why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
@@ -2768,8 +2705,6 @@ TOY_COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.
 TOY_SHAPES = ("circle", "square", "triangle", "cross")
 TOY_SIZE = 16                 # pixels per side
 TOY_HALF_SIZE = (0.28, 0.40)  # shape half-size as a fraction of the canvas, drawn uniformly
-
-
 # Pre-training sees each colour with two shapes; RL trains and evaluates on the other 10 pairs, which it must compose.
 TOY_SEEN = {(c, TOY_SHAPES[(i + j) % 4]) for i, c in enumerate(TOY_COLORS) for j in (0, 1)}
 TOY_PAIRS = [(c, s) for c in TOY_COLORS for s in TOY_SHAPES]
@@ -2850,8 +2785,6 @@ def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 _TOY_SOFT_MASKS = torch.tensor(_toy_templates(np.linspace(*TOY_HALF_SIZE, 25)), dtype=torch.float32)  # every 0.005
-
-
 _TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
                        for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
 
@@ -2981,8 +2914,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
 
 
 def random_depth(model_path: str | None, family: str) -> int | None:
-    """N of --model-path random:N; None for random (full depth) or any other path; a malformed one, or N past the
-    published depth of `family`'s blocks, is refused."""
+    """N of --model-path random:N, None for random or another path; refused if malformed or past `family`'s depth."""
     if not (model_path or "").startswith("random"):
         return None
     depth = model_path.removeprefix("random:")
