@@ -777,8 +777,7 @@ def setup_training(args) -> Runtime:
             import wandb  # noqa: F401
         except ImportError:
             raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb") from None
-    rt = setup_runtime(args.seed, args.threads, args.dtype, args.model)
-    rt.compile = args.compile
+    rt = dataclasses.replace(setup_runtime(args.seed, args.threads, args.dtype, args.model), compile=args.compile)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
     if args.fsdp and (args.lora_rank or rt.world_size < 2):
@@ -1597,8 +1596,7 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
                          f"folder (nothing is overwritten)")
     new = not out_dir.exists()
     writable_folder(out_dir, "--output")
-    rt = setup_runtime(seed, a.threads, dtype, model)
-    rt.compile = a.compile
+    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
         on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = build_reward(reward_spec, rt.device)
@@ -2006,9 +2004,8 @@ COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the com
 
 
 def compile_blocks(adapter, rt: Runtime):
-    """--compile: each repeated block's forward through torch.compile (one compiled code per block class, shapes
-    static), traced at its first call: with the LoRA layers inside the block, FSDP2's hooks outside it. Inductor
-    rounds where eager rounds, so the rollout's forward without grad is the update's with grad, bit for bit."""
+    """--compile: each repeated block's forward through torch.compile, one code per block class, static shapes, traced
+    at its first call (LoRA inside, FSDP2's hooks out); inductor rounds as eager: no-grad and grad forwards agree."""
     if rt.compile and not torch._inductor.config.emulate_precision_casts:  # once per process
         torch._inductor.config.emulate_precision_casts = True
         torch._dynamo.on_compile_start(lambda _: COMPILING.update(compiles=1, compile_s=-time.perf_counter()))
@@ -2884,7 +2881,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     parts = {name: cls.from_pretrained(folder / name) for name, cls in classes.items() if name not in configs}
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        for name in sorted(configs):  # text encoders, transformer, vae; each cast as built: one float32 at a time
+        for name in sorted(configs, key=lambda n: (n != "transformer", n)):  # each cast as built: one float32 at a time
             cls = classes[name]
             module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
                 cls.config_class(**configs[name]))
@@ -2914,6 +2911,8 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         if t.is_floating_point():  # tensor by tensor: no round trip, and diffusers' no-op cast warning never raised
             t.data = t.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
+    for m in module.modules():  # a buffer that is a view (SD3's pos_embed) would keep its float32 base alive: copied
+        m._buffers.update({k: b.clone() for k, b in m._buffers.items() if b is not None and b._base is not None})
     return module
 
 
