@@ -10,7 +10,7 @@ a preview's too).
 
   python tests/benchmark_compile.py                        # 4 trainers x 3 modes, 4 iterations each (README table)
   python tests/benchmark_compile.py --trainers flow_grpo --modes bf16,bf16-compile --iterations 6
-  python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 3 iterations (a test runs it)
+  python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 2 iterations (a test runs it)
 """
 from __future__ import annotations
 
@@ -143,18 +143,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--iterations", type=int, default=4, help="per run; the first is reported apart (at least 2)")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="each run's --threads")
-    ap.add_argument("--quick", action="store_true", help="flow_grpo on the tiny FLUX, 3 iterations: every path")
+    ap.add_argument("--threads", type=int, help="each run's --threads (default: the cores this process may use; "
+                                                 "--quick: 1, as the tests' tiny runs)")
+    ap.add_argument("--quick", action="store_true", help="flow_grpo on the tiny FLUX, 2 iterations: every path")
     ap.add_argument("--out", default=None, help="output folder (default runs/benchmark-compile-<time>)")
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    a, rest = ap.parse_known_args(argv)
-    if a.worker:
-        return worker(a.worker[0], a.worker[1], rest, Path(a.worker[2]))
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:                             # --worker TRAINER MODE RESULT, then the trainer's argv
+        return worker(argv[1], argv[2], argv[4:], Path(argv[3]))
+    a = ap.parse_args(argv)
     trainers = ["flow_grpo"] if a.quick else [t.strip() for t in a.trainers.split(",")]
     modes = [m.strip() for m in a.modes.split(",")]
-    iterations = 3 if a.quick else a.iterations
+    iterations = 2 if a.quick else a.iterations
+    a.threads = a.threads or (1 if a.quick else len(os.sched_getaffinity(0)))
     if bad := [t for t in trainers if t not in TRAINERS] + [m for m in modes if m not in MODES]:
         ap.error(f"unknown {bad}: --trainers takes {', '.join(TRAINERS)}; --modes {', '.join(MODES)}")
     if iterations < 2:
