@@ -942,6 +942,8 @@ class TrainingLoop:
             res, rows = evaluate(self.adapter, self.adapter.transformer, self.eval_prompts, a.eval_images,
                                  a.eval_steps, self.reward_fn, self.rt, seed=a.seed,
                                  accuracy_fn=toy_accuracy if a.model == "toy" else None)
+        if a.fsdp:  # FSDP2 keeps the root's weights gathered after a forward: the EMA's, stale once swapped back
+            self.adapter.transformer.reshard()
         if self.rt.is_main:
             save_image_grid(rows, self.run.dir / f"eval_{it:06d}.png")
         self.t0 += time.time() - tic
@@ -1035,9 +1037,8 @@ def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: 
     for module in (m for m in (transformer, ref) if m is not None):
         for block in transformer_blocks(module) + [module]:
             if module is transformer or not shard:  # what is not sharded yet: this block, or the root's own layers
-                for q in block.parameters():
-                    if not hasattr(q, "to_local"):
-                        q.data = q.data.to(torch.float32)
+                for q in (q for q in block.parameters() if not hasattr(q, "to_local")):
+                    q.data = q.data.to(torch.float32)
             if shard:
                 fully_shard(block, mp_policy=mp)
     return [q for q in transformer.parameters() if q.requires_grad]
