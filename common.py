@@ -457,12 +457,14 @@ class Runtime:
     world_size: int
     device: torch.device
     dtype: torch.dtype  # the compute (autocast) dtype, --dtype
+    compile: bool = False  # --compile: load_model compiles the transformer's repeated blocks (compile_blocks)
     is_main = property(lambda self: self.rank == 0)
     distributed = property(lambda self: self.world_size > 1)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
-GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU (the official recipes')
+GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU, the official recipes' compute
+# dtypes; their FLUX scripts keep the transformer's weights float32 under bf16 autocast, ours stores them in bf16
 
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
@@ -803,7 +805,7 @@ def setup_training(args) -> Runtime:
     from importlib.util import find_spec
     if args.wandb and find_spec("wandb") is None:
         raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb")
-    rt = setup_runtime(args.seed, args.threads, args.dtype, args.model)
+    rt = dataclasses.replace(setup_runtime(args.seed, args.threads, args.dtype, args.model), compile=args.compile)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
     if args.fsdp and (args.lora_rank or rt.world_size < 2):
@@ -876,7 +878,7 @@ class TrainingLoop:
         self.it, self.metrics, self.dirty = run.start, {}, False
         self.saved = run.start if (run.dir / "checkpoints" / f"iter_{run.start:06d}").exists() else None  # in place
         optimizer.register_step_pre_hook(lambda *_: setattr(self, "dirty", True))  # iteration self.it has stepped
-        TrainingLoop.active = self
+        TrainingLoop.active, self.compiled = self, dict(COMPILING)
 
     def seconds(self) -> float:
         """Training seconds so far (the log's time_s)."""
@@ -949,6 +951,9 @@ class TrainingLoop:
         """Rank 0: the line in metrics.jsonl (NaN, inf: null), on stdout above the progress bar, in W&B if asked."""
         if not self.rt.is_main:
             return
+        if self.args.compile:  # --compile: the compiles since the last line and their seconds (README, Metrics)
+            metrics.update({k: v - self.compiled[k] for k, v in COMPILING.items()})
+            self.compiled = dict(COMPILING)
         metrics = {k: (None if not math.isfinite(v) else round(v, 6)) if isinstance(v, float) else v
                    for k, v in metrics.items()}
         append_line(self.run.dir / "metrics.jsonl", metrics)
@@ -963,10 +968,13 @@ class TrainingLoop:
     def evaluate(self, it: int) -> dict:
         """Held-out evaluation (of the EMA weights, if kept) and its grid eval_NNNNNN.png, off the clock."""
         a, tic = self.args, time.time()
+        self.adapter.transformer.eval()  # as the rollout: --compile's graphs are the same at every evaluation
         with self.ema.swapped_in() if self.ema else contextlib.nullcontext():
             res, rows = evaluate(self.adapter, self.adapter.transformer, self.eval_prompts, a.eval_images,
                                  a.eval_steps, self.reward_fn, self.rt, seed=a.seed,
                                  accuracy_fn=toy_accuracy if a.model == "toy" else None)
+        if a.fsdp:  # FSDP2 keeps the root's weights gathered after a forward: the EMA's, stale once swapped back
+            self.adapter.transformer.reshard()
         if self.rt.is_main:
             save_image_grid(rows, self.run.dir / f"eval_{it:06d}.png")
         self.t0 += time.time() - tic
@@ -1051,17 +1059,16 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
-    """--lora-rank 0: float32 master weights, cast a block at a time; `shard` (--fsdp): FSDP2 per block, then the root,
-    gathered in --dtype, inputs uncast, gradients reduced in float32, `ref` alike (README). Returns the shards."""
+    """--lora-rank 0: float32 master weights, cast a block at a time, `ref` too (so it computes as the policy starts);
+    `shard` (--fsdp): FSDP2 per block, then the root, gathered in --dtype, gradients float32, `ref` alike (README)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # RMSNorm's float32 weight: unfused
-    for module in (m for m in (transformer, ref if shard else None) if m is not None):
+    for module in (m for m in (transformer, ref) if m is not None):
         for block in transformer_blocks(module) + [module]:
-            if module is transformer:  # what is not sharded yet: this block, or the root's own layers
-                for q in block.parameters():
-                    if not hasattr(q, "to_local"):
-                        q.data = q.data.to(torch.float32)
+            if module is transformer or not shard:  # what is not sharded yet: this block, or the root's own layers
+                for q in (q for q in block.parameters() if not hasattr(q, "to_local")):
+                    q.data = q.data.to(torch.float32)
             if shard:
                 fully_shard(block, mp_policy=mp)
     return [q for q in transformer.parameters() if q.requires_grad]
@@ -1594,6 +1601,7 @@ def evaluate_main(argv=None) -> dict:
         ap.add_argument(flag, type=kind, help="default: the run's, else the model's")
     ap.add_argument("--dtype", choices=list(DTYPES), help="as the trainers' --dtype (default: the run's)")
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--compile", action="store_true", help="as the trainers' --compile")
     ap.add_argument("--threads", type=int, help="CPU threads (CPU runs only; default: as the trainers')")
     ap.add_argument("--output", help="a new folder for results.json and grid.png (default: evals/<model>-<time>)")
     with ends_process(), one_line_errors(ap.prog), contextlib.ExitStack() as on_exit:
@@ -1636,8 +1644,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
-    rt = setup_runtime(seed, a.threads, dtype, model)  # torchrun's variables checked before the folder is made
-    new = not out_dir.exists()
+    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # torchrun's variables
+    new = not out_dir.exists()  # checked before the folder is made
     writable_folder(out_dir, "--output")
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
         on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
@@ -2022,8 +2030,8 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
-        return ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
-                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype)
+        return compile_blocks(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+                                         CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype), rt)
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
@@ -2034,14 +2042,29 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         pipe = cls.from_pretrained(path or HUB_IDS[name], **{key: {
             "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype}})
     settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
-    return adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
-                       **{k: v for k, v in settings.items() if v is not None})
+    return compile_blocks(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
+                                      **{k: v for k, v in settings.items() if v is not None}), rt)
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
     """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
     scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
     return torch.float32 if dtype == torch.float16 else dtype
+
+
+COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
+
+
+def compile_blocks(adapter, rt: Runtime):
+    """--compile: each repeated block's forward through torch.compile, one code per block class, static shapes, traced
+    at its first call (LoRA inside, FSDP2's hooks out); inductor rounds as eager: no-grad and grad forwards agree."""
+    if rt.compile and not torch._inductor.config.emulate_precision_casts:  # once per process
+        torch._inductor.config.emulate_precision_casts = True
+        torch._dynamo.on_compile_start(lambda _: COMPILING.update(compiles=1, compile_s=-time.perf_counter()))
+        torch._dynamo.on_compile_end(lambda _: COMPILING.update(compile_s=time.perf_counter()))  # lazy backwards too
+    for block in transformer_blocks(adapter.transformer) if rt.compile else []:
+        block.forward = torch.compile(type(block).forward, dynamic=False, recompile_limit=64).__get__(block)
+    return adapter
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -2904,7 +2927,7 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     parts = {name: cls.from_pretrained(folder / name) for name, cls in classes.items() if name not in configs}
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        for name in sorted(configs):  # text encoders, transformer, vae; each cast as built: one float32 at a time
+        for name in sorted(configs, key=lambda n: (n != "transformer", n)):  # each cast as built: one float32 at a time
             cls = classes[name]
             module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
                 cls.config_class(**configs[name]))
@@ -2936,6 +2959,8 @@ def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         if t.is_floating_point():  # tensor by tensor: no round trip, and diffusers' no-op cast warning never raised
             t.data = t.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
+    for m in module.modules():  # a buffer that is a view (SD3's pos_embed) would keep its float32 base alive: copied
+        m._buffers.update({k: b.clone() for k, b in m._buffers.items() if b is not None and b._base is not None})
     return module
 
 

@@ -110,6 +110,8 @@ class Args:
     lora_alpha: float = field(0.0, "LoRA alpha", at_least=0)
     ema: bool = field(False, "keep an EMA of the trained weights for evaluation and checkpoints")
     gradient_checkpointing: bool = field(False, "recompute activations in the backward pass")
+    compile: bool = field(False, "torch.compile each repeated transformer block, once per block class: faster after "
+                                 "the first iteration, which compiles (README, Precision)")
     fsdp: bool = field(False, "shard full fine-tuning (--lora-rank 0) over the torchrun processes with FSDP2; "
                               "LoRA runs replicate with DDP")
     preflight: bool = field(False, "run and check one iteration in a temporary folder and project the run's cost, "

@@ -7,18 +7,23 @@ them, images scored per second and peak memory.
 
 On a GPU, per model: each trainer at its full-scale settings (LoRA, gradient checkpointing, its per-GPU
 micro-batch M and dtype) with one prompt per iteration and a reduced group (GROUPS below), at 512 px; then
-flow_grpo without gradient checkpointing (every trainer with --full). The measured iteration is its run's first
-(kernels may still warm up in it: its seconds err high). Each model runs in its own worker process; a run that
-breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the same trainer is retried
-without gradient checkpointing and with the flash attention kernel off, to show which setting avoids it.
+flow_grpo without gradient checkpointing and flow_grpo under --compile (every trainer with --full; --compiled adds
+the compiled runs alone). The measured iteration is its run's first (kernels may still warm up in it: its seconds err
+high; a compiled run's also holds its compiles, whose seconds a column gives). Each model runs in its own worker
+process; a run that breaks the CUDA context (e.g. an illegal memory access) is recorded with its error, and the same
+trainer is retried without gradient checkpointing and with the flash attention kernel off, to show which setting
+avoids it.
 On CPU the same runs, in the same dtypes (FLUX bf16, SD3 fp16), use the reduced-depth models (random:1 for FLUX,
 random:2 for SD3: real widths), 64 px, 32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation
-images, with checkpointing only: this keeps the path working (a test runs it); its times mean nothing.
+images, with checkpointing only and eager unless --compiled: this keeps the path working (a test runs it); its times
+mean nothing.
 
   python tests/gpu_check.py --quick            # meant to fit 8 minutes on one H200 (not yet timed there)
-  python tests/gpu_check.py --full             # every trainer with and without checkpointing
+  python tests/gpu_check.py --full             # every trainer with and without checkpointing, and compiled
+  python tests/gpu_check.py --compiled         # every trainer with checkpointing, eager and compiled
   python tests/gpu_check.py --models sd3 --trainers flow_grpo,g2rpo    # a subset
   python tests/gpu_check.py --computed         # no run: the memory every full-scale run needs before activations
+  python tests/gpu_check.py --layouts          # no run: each model's memory per layout (LoRA, full, full + FSDP2)
   python tests/gpu_check.py --precision        # the tiny pipelines in fp32, bf16, fp16: is the first update on-policy?
 """
 from __future__ import annotations
@@ -120,7 +125,8 @@ def scorer_params(name: str) -> int:
 
 def findings(results: list[dict]) -> list[str]:
     """What makes the check fail: each run that did not finish, each preflight FAIL not in RANDOM_WEIGHT_FAILS."""
-    return [f"{r['model']} {r['trainer']}{'' if r['ckpt'] else ' (no checkpointing)'}: {what}" for r in results
+    return [f"{r['model']} {r['trainer']}{'' if r['ckpt'] else ' (no checkpointing)'}"
+            f"{' (compiled)' if r.get('compiled') else ''}: {what}" for r in results
             for what in ([r["status"]] if r["status"] != "ok" else
                          [f"preflight FAIL {f}" for f in r["preflight_fails"] if f not in RANDOM_WEIGHT_FAILS])]
 
@@ -146,16 +152,17 @@ def random_pickscore():
     return RandomPickScore
 
 
-def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, out: Path) -> dict:
+def one_run(family: str, trainer: str, ckpt: bool, flash: bool, compiled: bool, gpu: bool, out: Path) -> dict:
     """One --preflight run of `trainer` (trainer_argv); its preflight.json gives the columns."""
     import torch
 
     import common
     torch.backends.cuda.enable_flash_sdp(flash)
     module = importlib.import_module(trainer)
-    run_dir = out / f"{family}-{trainer}-{'ckpt' if ckpt else 'nockpt'}{'' if flash else '-noflash'}"
+    run_dir = out / (f"{family}-{trainer}-{'ckpt' if ckpt else 'nockpt'}{'' if flash else '-noflash'}"
+                     f"{'-compiled' if compiled else ''}")
     args = common.cli(module.Args, [*trainer_argv(trainer, family, ckpt, gpu, run_dir), "--reward", "pickscore",
-                                    "--preflight"], module.MODEL_DEFAULTS)
+                                    "--preflight", *(["--compile"] if compiled else [])], module.MODEL_DEFAULTS)
     gc.collect()                                                  # the last run's models (adapters hold cycles)
     if gpu:
         torch.cuda.empty_cache()
@@ -168,25 +175,26 @@ def one_run(family: str, trainer: str, ckpt: bool, flash: bool, gpu: bool, out: 
     report = json.loads((run_dir / "preflight.json").read_text())
     m, line = report["measured"], report["metrics"]
     fails = [r["check"] for r in report["rows"] if r["status"] == "FAIL"]
-    return {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "status": "ok",
+    return {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "compiled": compiled, "status": "ok",
             "resolution": args.resolution, "group": args.group_size, "micro_batch": args.micro_batch,
             "lora_rank": args.lora_rank, "dtype": args.dtype, "sample_steps": args.sample_steps,
             "peak_gib": m["peak_bytes"] / 2**30, "s_per_it": m["iteration_s"],
             "t_rollout": line["t_rollout"] + line.get("t_surrogate_old", 0.0), "t_reward": line["t_reward"],
-            "t_update": line["t_update"], "images_per_s": line["reward_calls"] / m["iteration_s"],
+            "t_update": line["t_update"], "compile_s": line.get("compile_s"),
+            "images_per_s": line["reward_calls"] / m["iteration_s"],
             "nfe_fwd": line["nfe_fwd"], "nfe_fwd_bwd": line["nfe_fwd_bwd"], "preflight_fails": fails}
 
 
 def worker(family: str, runs: list[list], gpu: bool, out: Path):
-    """Runs `runs` ([trainer, ckpt, flash]) in this process, appending each result to out/results.jsonl; exits 3
-    once the CUDA context is broken (the parent starts a new worker for the rest)."""
+    """Runs `runs` ([trainer, ckpt, flash, compiled]) in this process, appending each result to out/results.jsonl;
+    exits 3 once the CUDA context is broken (the parent starts a new worker for the rest)."""
     import common
     common.REWARDS["pickscore"] = random_pickscore()             # every run scores with it: --reward pickscore
-    for trainer, ckpt, flash in runs:
+    for trainer, ckpt, flash, compiled in runs:
         try:
-            result = one_run(family, trainer, ckpt, flash, gpu, out)
+            result = one_run(family, trainer, ckpt, flash, compiled, gpu, out)
         except Exception as e:  # noqa: BLE001 - recorded in the table, then the next run
-            result = {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash,
+            result = {"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "compiled": compiled,
                       "status": f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
         with open(out / "results.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
@@ -195,11 +203,12 @@ def worker(family: str, runs: list[list], gpu: bool, out: Path):
 
 
 # ---- the parent: plans the runs, restarts workers, prints the table ----
-def plan(trainers: list[str], full: bool, gpu: bool) -> list[list]:
-    """[trainer, checkpointing, flash attention] per run: every trainer with checkpointing; without it, flow_grpo
-    on a GPU (every trainer with --full)."""
-    runs = [[t, True, True] for t in trainers]
-    return runs + [[t, False, True] for t in trainers if full or (gpu and t == "flow_grpo")]
+def plan(trainers: list[str], full: bool, gpu: bool, compiled: bool = False) -> list[list]:
+    """[trainer, checkpointing, flash attention, --compile] per run: every trainer with checkpointing; without it,
+    and with it under --compile, flow_grpo on a GPU (every trainer with --full; compiled, with --compiled)."""
+    runs = [[t, True, True, False] for t in trainers]
+    runs += [[t, False, True, False] for t in trainers if full or (gpu and t == "flow_grpo")]
+    return runs + [[t, True, True, True] for t in trainers if full or compiled or (gpu and t == "flow_grpo")]
 
 
 def run_family(family: str, runs: list[list], a, out: Path) -> list[dict]:
@@ -214,8 +223,8 @@ def run_family(family: str, runs: list[list], a, out: Path) -> list[dict]:
         new = read_results(out)[before:]
         if proc.returncode and len(new) < len(todo) and (not new or new[-1]["status"] == "ok"):
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            trainer, ckpt, flash = todo[len(new)]
-            new.append({"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash,
+            trainer, ckpt, flash, compiled = todo[len(new)]
+            new.append({"model": family, "trainer": trainer, "ckpt": ckpt, "flash": flash, "compiled": compiled,
                         "status": f"error: worker died (exit {proc.returncode}): {tail}"})
             with open(out / "results.jsonl", "a") as f:
                 f.write(json.dumps(new[-1]) + "\n")
@@ -223,8 +232,9 @@ def run_family(family: str, runs: list[list], a, out: Path) -> list[dict]:
         todo = todo[len(new):]
         for r in new:
             if r["status"] != "ok" and any(s in r["status"] for s in (*CUDA_BROKEN, "worker died")):
-                for fallback in ([r["trainer"], False, True], [r["trainer"], r["ckpt"], False]):
-                    if fallback not in runs and fallback != [r["trainer"], r["ckpt"], r["flash"]]:
+                for fallback in ([r["trainer"], False, True, r["compiled"]], [r["trainer"], r["ckpt"], False,
+                                                                               r["compiled"]]):
+                    if fallback not in runs and fallback != [r["trainer"], r["ckpt"], r["flash"], r["compiled"]]:
                         runs.append(fallback)
                         todo.append(fallback)
     return results
@@ -252,7 +262,8 @@ def versions() -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ["model", "trainer", "checkpointing", "px", "group (M)", "LoRA", "dtype", "peak GiB", "s/it", "rollout",
+    head = ["model", "trainer", "checkpointing", "--compile (s compiling)", "px", "group (M)", "LoRA", "dtype",
+            "peak GiB", "s/it", "rollout",
             "reward", "update", "img/s", "status", "preflight FAILs"]
     rows = []
     for r in results:
@@ -260,8 +271,9 @@ def table(results: list[dict]) -> str:
 
         def f(key, digits=2, r=r, ok=ok):
             return f"{r[key]:.{digits}f}" if ok and r.get(key) is not None else "-"
+        compiled = (f"on ({f('compile_s', 0)})" if r.get("compiled") else "off")
         rows.append([r["model"], r["trainer"], ("on" if r["ckpt"] else "off") + ("" if r["flash"] else ", no flash"),
-                     str(r.get("resolution", "-")), f"{r['group']} ({r['micro_batch']})" if ok else "-",
+                     compiled, str(r.get("resolution", "-")), f"{r['group']} ({r['micro_batch']})" if ok else "-",
                      str(r.get("lora_rank", "-")), r.get("dtype", "-"), f("peak_gib", 1), f("s_per_it"),
                      f("t_rollout"), f("t_reward"), f("t_update"), f("images_per_s"), r["status"],
                      ", ".join(r["preflight_fails"]) or "none" if ok else "-"])
@@ -272,12 +284,12 @@ def table(results: list[dict]) -> str:
 def computed(trainers: list[str]) -> str:
     """Per model and trainer at its full-scale defaults, from the published architectures built on `meta`: the
     frozen weights in their dtypes, the trained parameters with their gradient, AdamW moments and EMA in float32
-    (under FSDP2 divided over 8 GPUs), a frozen reference copy under full fine-tuning with a KL, and each scorer of
-    the trainer's default --reward in float32 (scorer_params). Then an estimate of the activations of one
-    forward+backward under gradient checkpointing (every trainer backpropagates one forward at a time): each block
-    keeps its input, R rows x (image + text tokens) x width in 16-bit, and the block being recomputed holds about 16
-    times that; R is the rows of a training forward (the micro-batch; x2 for SD3's CFG; x the (t, eps) pairs for
-    V-GRPO)."""
+    (under FSDP2 divided over 8 GPUs), a frozen reference copy under full fine-tuning with a KL (float32 unless
+    sharded), and each scorer of the trainer's default --reward in float32 (scorer_params). Then an estimate of the
+    activations of one forward+backward under gradient checkpointing (every trainer backpropagates one forward at a
+    time): each block keeps its input, R rows x (image + text tokens) x width in 16-bit, and the block being
+    recomputed holds about 16 times that; R is the rows of a training forward (the micro-batch; x2 for SD3's CFG; x
+    the (t, eps) pairs for V-GRPO)."""
     import torch
 
     import common
@@ -304,7 +316,7 @@ def computed(trainers: list[str]) -> str:
             state = n * 4 * (4 + bool(d.get("ema")))              # param (fp32 master), grad, 2 moments, EMA
             full = d.get("lora_rank", 0) == 0                      # the transformer is the trained state
             frozen -= transformer if full else 0
-            ref = transformer if full and d.get("beta", 0) > 0 else 0
+            ref = (transformer if d.get("fsdp") else n * 4) if full and d.get("beta", 0) > 0 else 0  # float32 unsharded
             gpus = 8 if d.get("fsdp") else 1                       # FSDP2 shards the state over one node's 8
             state, ref = state / gpus, ref / gpus
             gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -326,6 +338,42 @@ def computed(trainers: list[str]) -> str:
                          f"{gib(activations)} ({rows_grad} rows)", "unmeasured",
                          "unmeasured", "computed"])
     return markdown(head, rows)
+
+
+def layouts() -> str:
+    """Per model, in its GPU dtype, the bytes each layout holds per GPU before activations and reward models: the
+    trained state (float32 weights, gradient and AdamW's two moments: 16 bytes a parameter; the LoRA's at the model's
+    full-scale rank), the EMA (4 bytes a parameter, --ema), a KL reference (--beta > 0: under full fine-tuning a frozen
+    copy of the transformer, float32 like the trained weights without --fsdp, sharded in the loaded dtype with it;
+    under LoRA the same network with the adapter off), the frozen weights (the text encoders and VAE, and the
+    transformer under LoRA). FSDP2 shards over 8 GPUs; without it every process holds everything."""
+    import torch
+
+    import common
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    rows = []
+    for family in FAMILIES:
+        module = importlib.import_module("flow_grpo")
+        d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
+        dtype = common.DTYPES[common.GPU_DTYPES[family]]
+        pipe = common.random_pipeline(family, "random", device="meta", dtype=dtype)
+        n = sum(p.numel() for p in pipe.transformer.parameters())
+        loaded = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+        rest = sum(p.numel() * p.element_size() for name, m in pipe.components.items()
+                   if isinstance(m, torch.nn.Module) and name != "transformer" for p in m.parameters())
+        lora = sum(p.numel() for p in common.add_lora(pipe.transformer, d["lora_rank"], d["lora_alpha"],
+                                                      common.FLUX_LORA_TARGETS if family == "flux"
+                                                      else common.SD3_LORA_TARGETS))
+        for layout, trained, gpus, ref in [(f"LoRA r{d['lora_rank']} (DDP)", lora, 1, 0),
+                                           ("full, no --fsdp (DDP)", n, 1, n * 4),
+                                           ("full, --fsdp over 8", n, 8, loaded)]:
+            frozen = rest + (loaded if trained == lora else 0)
+            state, ema, ref = trained * 16 / gpus, trained * 4 / gpus, ref / gpus
+            rows.append([family, common.GPU_DTYPES[family], layout, f"{trained / 1e6:,.0f}M", gib(state), gib(ema),
+                         gib(ref) if ref else "- (adapter off)", gib(frozen),
+                         gib(state + frozen), gib(state + ema + ref + frozen)])
+    return markdown(["model", "dtype", "layout", "trained parameters", "weights + grad + AdamW", "EMA",
+                     "KL reference", "frozen weights", "total, no EMA nor KL", "total, with both"], rows)
 
 
 def precision(trainers: list[str], families: list[str]) -> str:
@@ -355,12 +403,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the default: every trainer with checkpointing, "
                                                            "flow_grpo without too on a GPU")
-    ap.add_argument("--full", action="store_true", help="every trainer without checkpointing too")
+    ap.add_argument("--full", action="store_true", help="every trainer without checkpointing too, and compiled")
+    ap.add_argument("--compiled", action="store_true", help="every trainer compiled too, with checkpointing")
     ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated: flux, sd3")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
     ap.add_argument("--out", default=None, help="output folder (default runs/gpu-check-<time>)")
     ap.add_argument("--cpu", action="store_true", help="the CPU mode even when a GPU is present")
     ap.add_argument("--computed", action="store_true", help="print the computed memory table and stop")
+    ap.add_argument("--layouts", action="store_true", help="print the memory of each model's layouts (LoRA, full "
+                                                             "fine-tuning with and without --fsdp) and stop")
     ap.add_argument("--precision", action="store_true", help="print the on-policy table of the tiny pipelines in each "
                                                                "dtype on this device and stop")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -372,6 +423,9 @@ def main(argv=None):
         ap.error(f"unknown {bad}: --models takes {', '.join(FAMILIES)}; --trainers takes {', '.join(TRAINERS)}")
     if a.computed:
         print(computed(trainers))
+        return None
+    if a.layouts:
+        print(layouts())
         return None
     if a.precision:
         print(f"Measured {versions()}; the tiny pipelines of tests/helpers.py, one iteration each.\n\n"
@@ -389,7 +443,7 @@ def main(argv=None):
     tic = time.time()
     results = []
     for family in families:
-        results += run_family(family, plan(trainers, a.full, gpu), a, out)
+        results += run_family(family, plan(trainers, a.full, gpu, a.compiled), a, out)
         print(f"{family}: {len(results)} runs done, {time.time() - tic:.0f} s", flush=True)
     mode = "full depth, 512 px" if gpu else "CPU: reduced depth (random:1 / random:2), 64 px; times mean nothing"
     text = f"Measured {versions()}; {mode}; one --preflight iteration per run.\n\n{table(results)}"

@@ -195,8 +195,9 @@ def straight_and_resumed(module, argv: list[str], split: int, total: int, tmp_pa
 
 
 def without_timings(lines: list[dict]) -> list[dict]:
-    """Metrics lines without the wall-clock keys (t_rollout, t_update, ..., time_s), which differ between runs."""
-    return [{k: v for k, v in m.items() if not (k.startswith("t_") or k == "time_s")} for m in lines]
+    """Metrics lines without the wall-clock keys (t_rollout, t_update, ..., time_s) and --compile's (compiles,
+    compile_s: a run in a process that has compiled them already compiles nothing), which differ between runs."""
+    return [{k: v for k, v in m.items() if not (k.startswith(("t_", "compile")) or k == "time_s")} for m in lines]
 
 
 def training_state(checkpoint) -> dict:

@@ -58,6 +58,9 @@ def test_fsdp_resume_equals_a_straight_run(tmp_path):
     torchrun("flow_grpo.py", [*argv, "--iterations", "1", "--output-dir", str(split)])
     torchrun("flow_grpo.py", [*argv, "--iterations", "3", "--output-dir", str(split), "--resume", str(split)])
     assert without_timings(read_metrics(straight)) == without_timings(read_metrics(split))
+    # every iteration's first update on-policy after an evaluation of the EMA weights: FSDP2 keeps the root's weights
+    # gathered after a forward, the EMA's until the evaluation reshards them
+    assert [m["ratio_dev_first_update"] for m in read_metrics(straight)[:3]] == [0.0] * 3
     a, b = transformer_at(straight, 3), transformer_at(split, 3)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -101,7 +101,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
     (r,) = [json.loads(s) for s in (out / "results.jsonl").read_text().splitlines()]
     assert r["status"] == "ok", r
     assert gpu_check.findings([r]) == [] and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"| {family} | {trainer} | on | 64 |" in proc.stdout
+    assert f"| {family} | {trainer} | on | off | 64 |" in proc.stdout
     # the counts are the run's: one prompt, a group of 2, 4 sampling steps
     if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (8, 6)

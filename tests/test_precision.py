@@ -130,6 +130,17 @@ def test_bf16_full_fine_tuning_trains_float32_master_weights_and_publishes_bf16(
     assert torch.equal(next(reread.parameters()).to(torch.bfloat16), trained[0].to(torch.bfloat16))
 
 
+def test_bf16_full_fine_tuning_with_a_kl_term_starts_from_a_reference_equal_to_the_policy(tmp_path):
+    """Without --fsdp the trained transformer's weights become float32 masters under bf16 autocast; the frozen KL
+    reference, copied before, is cast alike, so it computes what the policy computes at the start: the first update's
+    KL is exactly 0 (3.7e-5 on this SD3 while the reference kept its bf16 weights)."""
+    argv = [*tiny_argv("flow_grpo", "sd3"), *QUIET, "--lora-rank", "0", "--beta", "0.01", "--dtype", "bf16",
+            "--iterations", "1", "--output-dir", str(tmp_path / "run")]
+    run(flow_grpo, argv)
+    (m,) = read_metrics(tmp_path / "run")[:1]
+    assert m["kl_first_update"] == 0.0 and m["kl"] > 0 and m["ratio_dev_first_update"] == 0.0
+
+
 def test_t5_keeps_the_float32_layers_transformers_keeps_under_fp16():
     """transformers loads T5's `wo` projections in float32 under fp16 (they overflow there); so do a pipeline read
     with from_pretrained and one built in code, and _freeze_pipeline keeps them; every other text encoder weight is

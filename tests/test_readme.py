@@ -14,8 +14,8 @@ from helpers import ROOT, TRAINERS, run
 
 README = (ROOT / "README.md").read_text()
 # Logged only in special cases the toy run below does not take: the weights' spread across DDP ranks (last line of
-# a multi-process DDP run).
-SPECIAL_CASES = {"rank_param_diff"}
+# a multi-process DDP run); the compiles and their seconds (--compile).
+SPECIAL_CASES = {"rank_param_diff", "compiles", "compile_s"}
 # One iteration on the toy at small sizes that every trainer's own toy settings fit, with an evaluation before and
 # after it, so that every per-iteration and every evaluation key is logged.
 ONE_ITERATION = ["--iterations", "1", "--eval-every", "1", "--prompts-per-step", "2", "--micro-batch", "4",

@@ -1,0 +1,189 @@
+"""Speed and memory in the run's dtype, eager and under --compile: each trainer on SD3.5-Medium's widths with 2 blocks
+(--model-path random:2: real widths, random weights, nothing downloaded) at 64 px, 10 sampling steps, 2 prompts x 8,
+LoRA rank 32, EMA, the jpeg reward, in eager float32, eager bf16 and compiled bf16 (`--dtype bf16 --compile`).
+Each run is a process of its own (its peak memory and its compile are its own) of --iterations iterations: the first
+(which compiles) is reported apart, the others give the medians. A table row: seconds per iteration and its rollout,
+reward and update parts (as the trainer logs them: t_rollout, with V-GRPO's t_surrogate_old, t_reward, t_update), the
+first iteration's seconds and its compile seconds, and the peak resident memory of the process (ru_maxrss) and of
+each phase (sampled every 5 ms: load is everything before the first rollout; reward is the decodes and the scoring,
+a preview's too).
+
+  python tests/benchmark_compile.py                        # 4 trainers x 3 modes, 4 iterations each (README table)
+  python tests/benchmark_compile.py --trainers flow_grpo --modes bf16,bf16-compile --iterations 6
+  python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 2 iterations (a test runs it)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+MODES = {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"], "bf16-compile": ["--dtype", "bf16", "--compile"]}
+REAL = ["--model", "sd3", "--model-path", "random:2", "--resolution", "64", "--sample-steps", "10",
+        "--prompts-per-step", "2", "--group-size", "8", "--micro-batch", "8", "--lora-rank", "32", "--lora-alpha", "64",
+        "--ema", "--reward", "jpeg", "--prompts", "pickscore", "--eval-every", "0", "--save-every", "0"]
+# what a trainer needs on top of REAL to train groups of 8: Pro-GRPO expands 16 and prunes to 12, then 8
+TRAINER_REAL = {"pro_grpo": ["--group-size", "16", "--funnel", "12,8", "--baseline-group", "8"]}
+PHASES = ("load", "rollout", "reward", "update")
+
+
+def argv_of(trainer: str, mode: str, quick: bool, iterations: int, threads: int, out: Path) -> list[str]:
+    """The trainer's command line for one run."""
+    if quick:
+        from helpers import tiny_argv
+        sizes = [*tiny_argv(trainer, "flux"), "--eval-every", "0", "--save-every", "0"]
+    else:
+        sizes = [*REAL, *TRAINER_REAL.get(trainer, [])]
+    return [*sizes, *MODES[mode], "--iterations", str(iterations), "--threads", str(threads), "--output-dir", str(out)]
+
+
+# ---- one run, in a worker process ----
+def worker(trainer: str, mode: str, argv: list[str], result: Path):
+    """Runs the trainer in this process with the phases marked (the transformer's train() / eval(), the decodes and
+    the reward calls) and the resident memory sampled; writes the run's row to `result`."""
+    import common
+    module = importlib.import_module(trainer)
+    state, peaks, page = {"phase": "load", "stop": False}, dict.fromkeys(PHASES, 0), os.sysconf("SC_PAGE_SIZE")
+
+    def sample():
+        with open("/proc/self/statm") as statm:
+            while not state["stop"]:
+                statm.seek(0)
+                rss = int(statm.read().split()[1]) * page
+                peaks[state["phase"]] = max(peaks[state["phase"]], rss)
+                time.sleep(0.005)
+
+    def in_phase(name, fn):
+        def wrapped(*args, **kwargs):
+            before, state["phase"] = state["phase"], name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state["phase"] = before
+        return wrapped
+
+    load_model = common.load_model
+
+    def marked_load_model(*args, **kwargs):
+        adapter = load_model(*args, **kwargs)
+        train = adapter.transformer.train
+
+        def marked_train(mode=True):
+            state["phase"] = "update" if mode else "rollout"
+            return train(mode)
+        adapter.transformer.train = marked_train
+        adapter.decode = in_phase("reward", adapter.decode)
+        return adapter
+    common.load_model = marked_load_model
+    common.WeightedReward.__call__ = in_phase("reward", common.WeightedReward.__call__)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    tic = time.time()
+    module.main(common.cli(module.Args, argv, module.MODEL_DEFAULTS))
+    wall = time.time() - tic
+    state["stop"] = True
+    thread.join()
+    out = Path(argv[argv.index("--output-dir") + 1])
+    lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in lines if "loss" in m]                       # the iterations that trained
+    seconds = [b["time_s"] - a["time_s"] for a, b in zip(lines, lines[1:])]
+    rollout = [m["t_rollout"] + m.get("t_surrogate_old", 0.0) for m in lines]
+    row = {"trainer": trainer, "mode": mode, "iterations": len(lines), "wall_s": wall,
+           "first_s": lines[0]["time_s"], "compile_s": lines[0].get("compile_s", 0.0),
+           "later_compiles": sum(m.get("compiles", 0) for m in lines[1:]),
+           "s_per_it": statistics.median(seconds), "rollout": statistics.median(rollout[1:]),
+           "reward": statistics.median(m["t_reward"] for m in lines[1:]),
+           "update": statistics.median(m["t_update"] for m in lines[1:]),
+           "ratio_dev_first_update": lines[0].get("ratio_dev_first_update"),
+           "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+           **{f"peak_{p}_gib": peaks[p] / 2**30 for p in PHASES}}
+    result.write_text(json.dumps(row))
+
+
+# ---- the parent: one worker per run, the table ----
+def versions() -> str:
+    import diffusers
+    import torch
+    import transformers
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return (f"{time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} CPU cores ({cpu}), "
+            f"torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def table(rows: list[dict]) -> str:
+    head = ["trainer", "mode", "s/it", "rollout", "reward", "update", "x eager bf16", "first iteration (compile)",
+            "peak GiB", *(f"{p} GiB" for p in PHASES)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = next((b for b in rows if b["trainer"] == r["trainer"] and b["mode"] == "bf16"), None)
+        speed = f"{r['s_per_it'] / base['s_per_it']:.2f}" if base else "-"
+        first = f"{r['first_s']:.1f} ({r['compile_s']:.1f})" if r["mode"].endswith("compile") else f"{r['first_s']:.1f}"
+        out.append("| " + " | ".join([r["trainer"], r["mode"], f"{r['s_per_it']:.2f}", f"{r['rollout']:.2f}",
+                                      f"{r['reward']:.2f}", f"{r['update']:.2f}", speed, first, f"{r['peak_gib']:.2f}",
+                                      *(f"{r[f'peak_{p}_gib']:.2f}" for p in PHASES)]) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list[dict]:
+    from helpers import TRAINERS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument("--iterations", type=int, default=4, help="per run; the first is reported apart (at least 2)")
+    ap.add_argument("--threads", type=int, help="each run's --threads (default: the cores this process may use; "
+                                                 "--quick: 1, as the tests' tiny runs)")
+    ap.add_argument("--quick", action="store_true", help="flow_grpo on the tiny FLUX, 2 iterations: every path")
+    ap.add_argument("--out", default=None, help="output folder (default runs/benchmark-compile-<time>)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:                             # --worker TRAINER MODE RESULT, then the trainer's argv
+        return worker(argv[1], argv[2], argv[4:], Path(argv[3]))
+    a = ap.parse_args(argv)
+    trainers = ["flow_grpo"] if a.quick else [t.strip() for t in a.trainers.split(",")]
+    modes = [m.strip() for m in a.modes.split(",")]
+    iterations = 2 if a.quick else a.iterations
+    a.threads = a.threads or (1 if a.quick else len(os.sched_getaffinity(0)))
+    if bad := [t for t in trainers if t not in TRAINERS] + [m for m in modes if m not in MODES]:
+        ap.error(f"unknown {bad}: --trainers takes {', '.join(TRAINERS)}; --modes {', '.join(MODES)}")
+    if iterations < 2:
+        ap.error("--iterations must be at least 2: the first is reported apart")
+    out = Path(a.out or f"runs/benchmark-compile-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    rows, tic = [], time.time()
+    for trainer in trainers:
+        for mode in modes:
+            name = f"{trainer}-{mode}"
+            cmd = [sys.executable, __file__, "--worker", trainer, mode, str(out / f"{name}.json"),
+                   *argv_of(trainer, mode, a.quick, iterations, a.threads, out / name)]
+            with open(out / f"{name}.log", "w") as log:
+                proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if proc.returncode:
+                sys.exit(f"{name}: exit {proc.returncode}; its log: {out / f'{name}.log'}\n"
+                         + (out / f"{name}.log").read_text()[-3000:])
+            rows.append(json.loads((out / f"{name}.json").read_text()))
+            print(f"{name}: {rows[-1]['s_per_it']:.2f} s/it, {time.time() - tic:.0f} s so far", flush=True)
+    setting = ("the tiny FLUX of tests/helpers.py, smoke sizes" if a.quick else
+               "SD3.5-M widths, 2 blocks (random:2), 64 px, 10 steps, 2 prompts x 8, LoRA r32, EMA, jpeg")
+    text = (f"Measured {versions()}, --threads {a.threads}; {setting}; {iterations} iterations per run, the first "
+            f"apart, medians of the rest; {time.time() - tic:.0f} s in all.\n\n{table(rows)}")
+    print("\n" + text)
+    (out / "benchmark_compile.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
