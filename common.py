@@ -463,8 +463,8 @@ class Runtime:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
-GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU, the official recipes' compute
-# dtypes; their FLUX scripts keep the transformer's weights float32 under bf16 autocast, ours stores them in bf16
+GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU: the official recipes' compute
+COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # dtypes (README, Precision); --compile's compiles, seconds
 
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
@@ -480,7 +480,9 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
         cpu_threads(threads)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    seed_everything(seed + rank)
+    random.seed(seed + rank)  # seeds per rank
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
     return Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")])
 
 
@@ -538,12 +540,6 @@ class _ThreadBalance:
             others = (state[1] - self.last[1]) / (now - self.last[0])  # cores kept busy by other processes
             torch.set_num_threads(max(1, min(self.share, int(len(self.cpus) - others + 0.5))))
         self.last = state
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def print0(*args, **kwargs):
@@ -2050,9 +2046,6 @@ def weight_dtype(dtype: torch.dtype) -> torch.dtype:
     """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
     scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
     return torch.float32 if dtype == torch.float16 else dtype
-
-
-COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
 
 
 def compile_blocks(adapter, rt: Runtime):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def pretrain_toy(argv=None):
     p.add_argument("--save-at", default="", help="comma-separated extra steps to save at, into OUT-stepN")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    common.seed_everything(a.seed)
+    random.seed(a.seed)  # as common.setup_runtime seeds
+    np.random.seed(a.seed)
+    torch.manual_seed(a.seed)
     from tqdm import tqdm
     transformer, text_encoder = build_toy_modules(a.seed)
     adapter = common.ToyAdapter(transformer, text_encoder, torch.device("cpu"))  # freezes the text encoder
