@@ -502,20 +502,24 @@ def launcher() -> tuple[int, int, int]:
 
 def cpu_threads(threads: int | None = None):
     """A CPU run's intra-op threads: `threads`, else the cores this process may use shared among torchrun's ranks on
-    the machine, less those other processes keep busy (/proc/stat, each second as modules run; README, Threads)."""
-    while _BALANCE:
-        _BALANCE.pop().hook.remove()
+    the machine, less those other processes kept busy since the last balance_threads (/proc/stat; README, Threads)."""
+    _BALANCE.clear()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     share = threads or max(1, len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(share)
     if not threads and share > 1 and Path("/proc/stat").is_file():
-        balance = _ThreadBalance(cpus, share)
-        balance()  # the first measurement: the next module to run, a second later, sets the threads
-        balance.hook = torch.nn.modules.module.register_module_forward_pre_hook(balance)
-        _BALANCE.append(balance)
+        _BALANCE.append(_ThreadBalance(cpus, share))
+        balance_threads()  # the first measurement: the next call, a second or more later, sets the threads
 
 
-_BALANCE = []  # the _ThreadBalance whose forward hook sets the threads, while one does
+def balance_threads():
+    """Between iterations (and evaluation batches): a rollout and its update run on the same threads, as a product's
+    bits can depend on their number, so the first update stays on-policy."""
+    for balance in _BALANCE:
+        balance()
+
+
+_BALANCE = []  # the _ThreadBalance of the run, while its threads are not fixed
 
 
 class _ThreadBalance:
@@ -981,6 +985,7 @@ class TrainingLoop:
         a = self.args
         self.it, self.metrics, self.dirty = it, {"iteration": it}, False
         self.stop_if_signalled(it)
+        balance_threads()
         last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
         if a.eval_every and (it % a.eval_every == 0 or last):
             self.metrics.update(self.evaluate(it))
@@ -1538,6 +1543,7 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     from tqdm import tqdm
     with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
         for i in bar:
+            balance_threads()
             chunk = mine[i: i + batch_size]
             if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
                 prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
