@@ -21,6 +21,8 @@ def tables_of(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith(("|", "### "))]
 
 
+# slow: the whole benchmark at tiny sizes; its parts (the interval, the choice, the cost runs) are checked below
+@pytest.mark.slow
 def test_quick_benchmark(tmp_path):
     out = tmp_path / "bench"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -138,6 +138,7 @@ def test_gpu_check_compiled_row_on_cpu(tmp_path):
     assert status["ratio_dev_first_update"] == status["clip_frac_first_update"] == "PASS"
 
 
+@pytest.mark.slow  # the compiled runs above are the default suite's
 def test_the_compile_benchmark_quick_mode_runs_every_path(tmp_path):
     """tests/benchmark_compile.py --quick: flow_grpo on the tiny FLUX eager in float32 and bf16 and compiled in bf16,
     each run a process of its own; the table has a row per mode with the phases' seconds and peak memory, the compiled

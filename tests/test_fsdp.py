@@ -65,6 +65,7 @@ def test_fsdp_resume_equals_a_straight_run(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # the default suite: a training state saved in one layout loads in another (below)
 def test_a_ddp_checkpoint_resumes_under_fsdp_and_back(tmp_path):
     """Toy, full fine-tuning, 2 gloo ranks: 1 iteration under DDP, the 2nd resumed under --fsdp, the 3rd under DDP
     again, logs what 3 straight DDP iterations log (to float rounding: FSDP2 reduce-scatters where DDP all-reduces),

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers import ROOT, free_port, read_metrics, small, tiny_argv, trained_params, without_timings
@@ -23,6 +24,7 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow  # the default suite: two torchrun ranks on one node stay identical (each trainer's tests)
 def test_two_nodes_on_loopback_train_what_one_node_with_two_processes_trains(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     one = tmp_path / "one_node"

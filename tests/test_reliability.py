@@ -757,6 +757,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_a_straight_one(tmp_path)
     assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 12), trained_params(tmp_path / "straight", 12)))
 
 
+@pytest.mark.slow  # the default suite: one process's SIGTERM, and a failure on one rank stopping both
 def test_sigterm_to_torchrun_stops_both_ranks_with_a_checkpoint_that_resumes_exactly(tmp_path):
     argv = ["--model", "toy", *small(without=("prompts_per_step", "eval_every")), "--prompts-per-step", "4",
             "--iterations", "12", "--eval-every", "4"]
