@@ -10,7 +10,7 @@ a preview's too).
 
   python tests/benchmark_compile.py                        # 4 trainers x 3 modes, 4 iterations each (README table)
   python tests/benchmark_compile.py --trainers flow_grpo --modes bf16,bf16-compile --iterations 6
-  python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 2 iterations (a test runs it)
+  python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 2 iterations (a slow test)
 """
 from __future__ import annotations
 
