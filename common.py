@@ -463,8 +463,8 @@ class Runtime:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
-GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU: the official recipes' compute
-COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # dtypes (README, Precision); --compile's compiles, seconds
+GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU (README, Precision)
+COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
 
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
@@ -508,42 +508,33 @@ def cpu_threads(threads: int | None = None):
     share = threads or max(1, len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     torch.set_num_threads(share)
     if not threads and share > 1 and Path("/proc/stat").is_file():
-        _BALANCE.append(_ThreadBalance(cpus, share))
+        _BALANCE.update(cpus=cpus, share=share, last=None)
         balance_threads()  # the first measurement: the next call, a second or more later, sets the threads
+
+
+_BALANCE = {}  # the cores, their share and the last measurement of a run whose threads are not fixed
 
 
 def balance_threads():
     """Between iterations (and evaluation batches): a rollout and its update run on the same threads, as a product's
     bits can depend on their number, so the first update stays on-policy."""
-    for balance in _BALANCE:
-        balance()
+    now, last = time.monotonic(), _BALANCE.get("last")
+    if not _BALANCE or last is not None and now - last[0] < 1.0:
+        return
+    _BALANCE["last"] = now, _busy_seconds(_BALANCE["cpus"])
+    if last is not None:
+        others = (_BALANCE["last"][1] - last[1]) / (now - last[0])  # cores kept busy by other processes
+        torch.set_num_threads(max(1, min(_BALANCE["share"], int(len(_BALANCE["cpus"]) - others + 0.5))))
 
 
-_BALANCE = []  # the _ThreadBalance of the run, while its threads are not fixed
-
-
-class _ThreadBalance:
-    def __init__(self, cpus: set, share: int):
-        self.cpus, self.share, self.last = cpus, share, None
-
-    def busy(self) -> float:
-        """Seconds the allowed cores have been busy since boot, less this process's CPU seconds: other processes'."""
-        ticks = 0  # /proc/stat: user nice system (idle iowait) irq softirq steal
-        for line in Path("/proc/stat").read_text().splitlines():
-            name, *v = line.split()
-            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in self.cpus:
-                ticks += sum(map(int, v[:3])) + sum(map(int, v[5:8]))
-        return ticks / os.sysconf("SC_CLK_TCK") - sum(os.times()[:2])
-
-    def __call__(self, *_):
-        now = time.monotonic()
-        if self.last is not None and now - self.last[0] < 1.0:
-            return
-        state = (now, self.busy())
-        if self.last is not None:
-            others = (state[1] - self.last[1]) / (now - self.last[0])  # cores kept busy by other processes
-            torch.set_num_threads(max(1, min(self.share, int(len(self.cpus) - others + 0.5))))
-        self.last = state
+def _busy_seconds(cpus: set) -> float:
+    """Seconds the cores `cpus` have been busy since boot, less this process's CPU seconds: other processes'."""
+    ticks = 0  # /proc/stat: user nice system (idle iowait) irq softirq steal
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *v = line.split()
+        if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+            ticks += sum(map(int, v[:3])) + sum(map(int, v[5:8]))
+    return ticks / os.sysconf("SC_CLK_TCK") - sum(os.times()[:2])
 
 
 def print0(*args, **kwargs):
@@ -1032,13 +1023,7 @@ def instrument(adapter):
         counts["nfe_fwd_bwd" if torch.is_grad_enabled() else "nfe_fwd"] += x.shape[0]
 
     adapter.transformer.register_forward_hook(hook, with_kwargs=True)
-    decode = adapter.decode
-
-    def counted_decode(x):
-        counts["decodes"] += x.shape[0]
-        return decode(x)
-
-    adapter.decode = counted_decode
+    adapter.decode = lambda x, decode=adapter.decode: counts.update(decodes=x.shape[0]) or decode(x)  # counted
     return adapter
 
 
@@ -1319,16 +1304,12 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
     trainable tensors by position, their AdamW state (if stepped), the EMA's shadow, `extra_state`, the GradScaler."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     holder = torch.nn.ParameterList(params)
-    state = {"params": get_model_state_dict(holder)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(holder, optimizer)
-    if ema is not None:
-        state["ema"] = {str(i): s for i, s in enumerate(ema.shadow)}
-    if extra_state:
-        state["extra"] = extra_state
-    if scaler is not None:  # a Stateful: dcp.save takes its state_dict(), dcp.load gives it load_state_dict()
-        state["scaler"] = scaler
-    return state
+    state = {"params": get_model_state_dict(holder),
+             "optimizer": get_optimizer_state_dict(holder, optimizer) if optimizer is not None else None,
+             "ema": {str(i): s for i, s in enumerate(ema.shadow)} if ema is not None else None,
+             "extra": extra_state or None,
+             "scaler": scaler}  # a Stateful: dcp.save takes its state_dict(), dcp.load gives it load_state_dict()
+    return {k: v for k, v in state.items() if v is not None}
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
@@ -1646,12 +1627,12 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
-    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # torchrun's variables
-    new = not out_dir.exists()  # checked before the folder is made
+    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # launcher() first
+    new = not out_dir.exists()
     writable_folder(out_dir, "--output")
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
         on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
-    reward_fn = build_reward(reward_spec, rt.device)
+    reward_fn = WeightedReward(parse_reward_spec(reward_spec), rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
         adapter = load_model(model, rt, pick("model_path"), pick("resolution"), pick("guidance_scale"),
@@ -1659,9 +1640,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         if checkpoint is not None:
             load_trained_weights(adapter, checkpoint, info)
         adapter.transformer.eval()
-        metrics, grid = evaluate(adapter, adapter.transformer, records, images, steps, reward_fn, rt, seed=seed,
-                                 batch_size=a.batch_size, accuracy_fn=toy_accuracy if model == "toy" else None)
-        results[label] = metrics
+        results[label], grid = evaluate(adapter, adapter.transformer, records, images, steps, reward_fn, rt, seed=seed,
+                                        batch_size=a.batch_size, accuracy_fn=toy_accuracy if model == "toy" else None)
         rows.append(grid)
         del adapter
     if rt.is_main:
@@ -2037,7 +2017,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
     cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
     if path and path.startswith("random"):
-        pipe = random_pipeline(name, path, rt.device, rt.dtype)
+        pipe = build_pipeline(name, architecture(name, random_depth(path, name)), device=rt.device, dtype=rt.dtype)
     else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way (torch_dtype before 0.40)
         import diffusers
         key = "dtype" if tuple(map(int, diffusers.__version__.split(".")[:2])) >= (0, 40) else "torch_dtype"
@@ -2443,11 +2423,6 @@ REWARDS = {"toy": ToyReward, "jpeg": JpegCompressibility, "pickscore": PickScore
 def short_reward_name(name: str) -> str:
     """A metrics key for a --reward term: the registry name, or remote_NAME for remote:http://HOST:PORT/NAME."""
     return f"remote_{name.rsplit('/', 1)[-1]}" if name.startswith("remote:") else name
-
-
-def build_reward(spec: str, device="cpu", norm: str = "sum") -> WeightedReward:
-    """The WeightedReward of a --reward spec string (parse_reward_spec)."""
-    return WeightedReward(parse_reward_spec(spec), device, norm)
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
@@ -2945,11 +2920,6 @@ def random_depth(model_path: str | None, family: str) -> int | None:
         raise UsageError(f"--model-path {model_path}: write random (full depth) or random:N with 1 <= N <= {most} "
                          f"blocks")
     return int(depth) if model_path != "random" else None
-
-
-def random_pipeline(family: str, model_path: str, device="cpu", dtype=torch.float32):
-    """--model-path random / random:N: the published architecture with random weights, nothing downloaded."""
-    return build_pipeline(family, architecture(family, random_depth(model_path, family)), device=device, dtype=dtype)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """The full-scale check: a --preflight run of every trainer on FLUX.1-dev's and SD3.5-Medium's published
-architectures with random weights (`--model-path random`, common.random_pipeline: nothing is downloaded), scored by
+architectures with random weights (`--model-path random`, common.build_pipeline: nothing is downloaded), scored by
 a random-weight reward model of PickScore's architecture (CLIP ViT-H/14) registered as `pickscore`, so every cost
 is real and no reward means anything (its checks FAIL or WARN, as they should). One table of what each preflight
 measured in its one iteration (common.preflight): seconds, split into rollout / reward / update as the trainer logs
@@ -304,7 +304,7 @@ def computed(trainers: list[str]) -> str:
             d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
             d["dtype"] = d["dtype"] or common.GPU_DTYPES[family]     # a GPU's default
             dtype = common.DTYPES[d["dtype"]]
-            pipe = common.random_pipeline(family, "random", device="meta", dtype=dtype)
+            pipe = common.build_pipeline(family, common.architecture(family), device="meta", dtype=dtype)
             transformer = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
             text = sum(p.numel() * p.element_size() for name, m in pipe.components.items()
                        if name.startswith("text_encoder") for p in m.parameters())
@@ -356,7 +356,7 @@ def layouts() -> str:
         module = importlib.import_module("flow_grpo")
         d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
         dtype = common.DTYPES[common.GPU_DTYPES[family]]
-        pipe = common.random_pipeline(family, "random", device="meta", dtype=dtype)
+        pipe = common.build_pipeline(family, common.architecture(family), device="meta", dtype=dtype)
         n = sum(p.numel() for p in pipe.transformer.parameters())
         loaded = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
         rest = sum(p.numel() * p.element_size() for name, m in pipe.components.items()

@@ -16,6 +16,7 @@ from helpers import (ROOT, TRAINERS, read_metrics, run, straight_and_resumed, ti
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow  # about 30 s of compiling on 2 cores; the default suite: the compiled run below
 def test_one_compiled_code_per_block_class_with_the_lora_inside():
     """Three blocks of each FLUX kind: the compiles do not grow with the blocks. The double blocks share one graph, the
     single blocks two (the first one's input has another layout: strides are guarded), with the LoRA on and off. The

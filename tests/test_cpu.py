@@ -25,7 +25,7 @@ def test_the_threads_are_the_allowed_cores_shared_among_the_local_ranks(monkeypa
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5, 7, 9, 11}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     common.cpu_threads()
-    assert torch.get_num_threads() == 6 and len(common._BALANCE) == 1
+    assert torch.get_num_threads() == 6 and common._BALANCE
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")              # torchrun's ranks on this machine
     common.cpu_threads()
     assert torch.get_num_threads() == 1 and not common._BALANCE  # nothing to balance
@@ -52,10 +52,9 @@ def test_a_core_another_process_keeps_busy_is_left_to_it(monkeypatch, one_thread
     finally:
         busy.kill()
         busy.wait()
-    balance = common._BALANCE[0]
     for others, threads in [(0.0, share), (0.4, share), (0.6, share - 1), (1.0, share - 1), (share, 1)]:
-        balance.last = (time.monotonic() - 2.0, 0.0)            # two seconds ago; the others' busy seconds since:
-        monkeypatch.setattr(balance, "busy", lambda o=others: 2.0 * o)
+        common._BALANCE["last"] = (time.monotonic() - 2.0, 0.0)  # two seconds ago; the others' busy seconds since:
+        monkeypatch.setattr(common, "_busy_seconds", lambda cpus, o=others: 2.0 * o)
         common.balance_threads()
         assert torch.get_num_threads() == threads, others
 

@@ -27,7 +27,7 @@ def n_params(module) -> int:
 # ---- the published architectures ----
 @pytest.mark.parametrize("family,published", [("flux", 11.9e9), ("sd3", 2.24e9)])
 def test_full_depth_transformers_have_the_published_parameter_counts(family, published):
-    pipe = common.random_pipeline(family, "random", device="meta")
+    pipe = common.build_pipeline(family, common.architecture(family), device="meta")
     assert pipe.transformer.device.type == "meta"
     assert n_params(pipe.transformer) == pytest.approx(published, rel=0.01)  # FLUX.1-dev 11.9B, SD3.5-M 2.24B
     assert n_params(pipe.text_encoder) == pytest.approx(123e6, rel=0.01)      # CLIP ViT-L/14's text tower
@@ -48,7 +48,7 @@ def test_lora_targets_are_the_attention_and_mlp_projections_of_every_block():
     """FLUX: every projection of the double blocks' two streams (attention and MLP) and the single blocks'
     q/k/v; SD3: the joint attention's projections (the last block has no text output), not the dual attention.
     The expected names are spelled out from the architectures, not from the target lists."""
-    flux = common.random_pipeline("flux", "random", device="meta").transformer
+    flux = common.build_pipeline("flux", common.architecture("flux"), device="meta").transformer
     params = common.add_lora(flux, 64, 128, common.FLUX_LORA_TARGETS)
     attn = ["attn.to_q", "attn.to_k", "attn.to_v"]
     joint = attn + ["attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -60,7 +60,7 @@ def test_lora_targets_are_the_attention_and_mlp_projections_of_every_block():
     assert all(p.requires_grad for p in params) and not any(p.requires_grad for n, p in flux.named_parameters()
                                                               if "lora" not in n)
 
-    sd3 = common.random_pipeline("sd3", "random", device="meta").transformer
+    sd3 = common.build_pipeline("sd3", common.architecture("sd3"), device="meta").transformer
     common.add_lora(sd3, 32, 64, common.SD3_LORA_TARGETS)
     want = {f"transformer_blocks.{i}.{n}" for i in range(24) for n in joint if not (i == 23 and n == "attn.to_add_out")}
     assert lora_layers(sd3) == want
@@ -87,8 +87,8 @@ def test_a_bad_random_model_path_stops_before_any_model_loads(tmp_path):
 
 
 # ---- one iteration at real width: the GPU check's CPU mode ----
-@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"),
-                                            pytest.param("sd3", "v_grpo", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite: the check's report and its computed tables (below)
+@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"), ("sd3", "v_grpo")])
 def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_path):
     """The one-command GPU check on CPU: reduced depth, real widths, each model in its full-scale dtype (FLUX bf16, SD3
     fp16), a --preflight run each, a table of what its one iteration measured; the random-weight PickScore's checks
@@ -121,7 +121,7 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
 def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
     """As a new user would: the reduced-depth real-width pipeline saved with save_pretrained and read back by
     --model-path (from_pretrained), one iteration of every trainer at 64 px."""
-    pipe = common.random_pipeline(family, "random:1" if family == "flux" else "random:2")
+    pipe = common.build_pipeline(family, common.architecture(family, 1 if family == "flux" else 2))
     pipe.save_pretrained(tmp_path / "pipe")
     del pipe
     for trainer in gpu_check.TRAINERS:

@@ -219,6 +219,7 @@ def test_resume_equals_straight_run(tmp_path):
     assert a == b and len(a) == 4
 
 
+@pytest.mark.slow  # 45 s; the default suite: the other trainers' learning tests, and G2RPO's math and resume here
 def test_toy_held_out_reward_rises(tmp_path):
     """A CI-sized G2RPO run on the toy world (8 prompts x 8 branches, T = 6, 30 iterations; ~40 s on 2 cores):
     held-out reward and strict accuracy over 200 fixed-seed images (standard errors ~0.02 and ~0.035).

@@ -54,7 +54,7 @@ def test_the_reference_server_gives_the_in_process_scores(server):
     torch.testing.assert_close(remote, common.JpegCompressibility()(images(), prompts), rtol=0, atol=1e-6)
     # through --reward: a weight after the name, and a sum with an in-process scorer
     assert common.parse_reward_spec(f"remote:{server}:0.5,jpeg") == [(f"remote:{server}", 0.5), ("jpeg", 1.0)]
-    total, parts = common.build_reward(f"remote:{server}:0.5,jpeg")(images(), prompts)
+    total, parts = common.WeightedReward(common.parse_reward_spec(f"remote:{server}:0.5,jpeg"))(images(), prompts)
     torch.testing.assert_close(total, 1.5 * parts["jpeg"], rtol=1e-6, atol=1e-5)
     with pytest.raises(common.TrainingStopped, match="answered HTTP 404: .*this server scores 'jpeg'"):
         common.RemoteReward(server.replace("/jpeg", "/pickscore"))(images(), prompts)
@@ -345,10 +345,10 @@ def test_per_reward_normalisation_by_hand():
             out += [(a - (a + b) / 2) / d, (b - (a + b) / 2) / d]
         return out
     fn = lambda r: flow_grpo.group_advantages(r, 2, global_std=False)  # noqa: E731
-    per = common.build_reward("toy,jpeg:0.5", norm="per-reward").advantages(parts, fn)
+    per = common.WeightedReward(common.parse_reward_spec("toy,jpeg:0.5"), norm="per-reward").advantages(parts, fn)
     expected = [x + 0.5 * y for x, y in zip(by_hand(toy), by_hand(jpeg))]
     assert per.tolist() == pytest.approx(expected, abs=1e-5)
-    summed = common.build_reward("toy,jpeg:0.5", norm="sum").advantages(parts, fn)
+    summed = common.WeightedReward(common.parse_reward_spec("toy,jpeg:0.5"), norm="sum").advantages(parts, fn)
     assert summed.tolist() == pytest.approx(by_hand([t + 0.5 * j for t, j in zip(toy, jpeg)]), abs=1e-5)
 
 

@@ -83,7 +83,7 @@ def test_reward_spec_parsing_and_weighting():
         with pytest.raises(ValueError, match=msg):
             common.parse_reward_spec(bad)
     imgs, prompts = _renders([("red", "circle")], halves=(0.3,))
-    total, parts = common.build_reward("toy:2,jpeg:0.5")(imgs, prompts)
+    total, parts = common.WeightedReward(common.parse_reward_spec("toy:2,jpeg:0.5"))(imgs, prompts)
     torch.testing.assert_close(total, 2 * parts["toy"] + 0.5 * parts["jpeg"])
     flat, noisy = torch.zeros(1, 3, 32, 32), torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     jpeg = common.JpegCompressibility()

@@ -88,7 +88,7 @@ def test_values_in_unit_interval_for_any_input():
 
 
 def test_registered_and_trains(tmp_path):
-    fn = common.build_reward("toy-soft")
+    fn = common.WeightedReward([("toy-soft", 1.0)])
     imgs = torch.cat([render("red", "cross"), render("red", "cross", 0.34, 0.75)])
     total, parts = fn(imgs, ["a red cross"] * 2, None)
     assert torch.allclose(total, torch.tensor([1.0, 0.75])) and torch.equal(parts["toy-soft"], total)
