@@ -2941,7 +2941,10 @@ if __name__ == "__main__":
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
     sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
-    for s in (signal.SIGTERM, signal.SIGINT):  # nothing to save: one line, exit status 128 + the signal
-        signal.signal(s, lambda n, _: report(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", 128 + n))
+    def stop(n, _):  # at once, not by an exception, which library code it lands in (a lazy import) may catch
+        print0(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", file=sys.stderr)
+        os._exit(128 + n)  # nothing to save: one line, exit status 128 + the signal
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, stop)
     with one_line_errors(f"common.py {sys.argv[1]}"):
         commands[sys.argv[1]](sys.argv[2:])
