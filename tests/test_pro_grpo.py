@@ -166,6 +166,7 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
     assert last["rank_param_diff"] == 0.0
 
 
+@pytest.mark.slow  # 25 s; the default suite: flow_grpo's learning test, and Pro-GRPO's OVF and resume here
 def test_toy_held_out_reward_rises(tmp_path):
     """Learning, not just running: 12 iterations on the 5 held-out pairs the pre-trained model gets right 5-60%
     of the time (the other 5 are always or never right: no reward variance in their groups to learn from),

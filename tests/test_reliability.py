@@ -737,6 +737,7 @@ def wait_for_lines(run_dir, n, proc, timeout=120):
     raise AssertionError(f"the run did not log {n} lines in time (exit {proc.poll()})")
 
 
+@pytest.mark.slow  # the default suite: test_signals resumes each trainer bitwise after a SIGTERM in either phase
 def test_sigterm_checkpoints_and_the_resumed_run_equals_a_straight_one(tmp_path):
     argv = [*TOY, "--iterations", "12", "--eval-every", "4", "--seed", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

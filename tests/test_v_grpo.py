@@ -201,6 +201,7 @@ def test_torchrun_two_ranks_stay_identical(tmp_path):
     assert last["rank_param_diff"] == 0.0
 
 
+@pytest.mark.slow  # 25 s; the default suite: flow_grpo's learning test, and V-GRPO's surrogate and resume here
 def test_toy_held_out_reward_rises(tmp_path):
     """A CI-sized V-GRPO run on the toy model: held-out reward and strict accuracy over 200 fixed-seed images
     rise well beyond their sampling noise (binomial sd of the accuracy <= 0.035 at 200 images)."""
