@@ -884,7 +884,7 @@ class TrainingLoop:
 
     def each(self, items, count: str | None = None):
         """The items of a rollout or update loop, each after a check for SIGTERM / SIGINT on any rank (README, Fork a
-        method); `count`: the loop's transformer rows without grad are logged under that key (g2rpo's nfe_anchor)."""
+        method); `count`: the loop's transformer rows without grad are logged under that key (nfe_anchor, say)."""
         before = work_snapshot(self.adapter, self.reward_fn, self.guard)
         for item in items:
             self.stop_if_signalled(self.it)
