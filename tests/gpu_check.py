@@ -15,8 +15,8 @@ trainer is retried without gradient checkpointing and with the flash attention k
 avoids it.
 On CPU the same runs, in the same dtypes (FLUX bf16, SD3 fp16), use the reduced-depth models (random:1 for FLUX,
 random:2 for SD3: real widths), 64 px, 32 T5 tokens, micro-batch 1, 4 sampling and evaluation steps, 4 evaluation
-images, with checkpointing only and eager unless --compiled: this keeps the path working (a test runs it); its times
-mean nothing.
+images, with checkpointing only and eager unless --compiled: this keeps the path working (a slow test runs it); its
+times mean nothing.
 
   python tests/gpu_check.py --quick            # meant to fit 8 minutes on one H200 (not yet timed there)
   python tests/gpu_check.py --full             # every trainer with and without checkpointing, and compiled
