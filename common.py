@@ -1627,7 +1627,7 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
-    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # launcher() first
+    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # checks torchrun's env
     new = not out_dir.exists()
     writable_folder(out_dir, "--output")
     if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
