@@ -2014,15 +2014,17 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         root = Path(path) if path else ASSETS / "toy"
         return compile_blocks(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype), rt)
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-    cls, adapter_cls = {"flux": (FluxPipeline, FluxAdapter), "sd3": (StableDiffusion3Pipeline, SD3Adapter)}[name]
+    from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
+    cls, net_cls, adapter_cls = {"flux": (FluxPipeline, FluxTransformer2DModel, FluxAdapter),
+                                 "sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel, SD3Adapter)}[name]
     if path and path.startswith("random"):
         pipe = build_pipeline(name, architecture(name, random_depth(path, name)), device=rt.device, dtype=rt.dtype)
-    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way (torch_dtype before 0.40)
-        import diffusers
+    else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way (torch_dtype before 0.40);
+        import diffusers  # the transformer first: the peak of its read (a few times its file) meets nothing else
         key = "dtype" if tuple(map(int, diffusers.__version__.split(".")[:2])) >= (0, 40) else "torch_dtype"
-        pipe = cls.from_pretrained(path or HUB_IDS[name], **{key: {
-            "transformer": weight_dtype(rt.dtype), "vae": torch.float32, "default": rt.dtype}})
+        net = net_cls.from_pretrained(path or HUB_IDS[name], subfolder="transformer", **{key: weight_dtype(rt.dtype)})
+        pipe = cls.from_pretrained(path or HUB_IDS[name], transformer=net, **{key: {"vae": torch.float32,
+                                                                                     "default": rt.dtype}})
     settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
     return compile_blocks(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
                                       **{k: v for k, v in settings.items() if v is not None}), rt)
