@@ -2025,6 +2025,9 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         net = net_cls.from_pretrained(path or HUB_IDS[name], subfolder="transformer", **{key: weight_dtype(rt.dtype)})
         pipe = cls.from_pretrained(path or HUB_IDS[name], transformer=net, **{key: {"vae": torch.float32,
                                                                                      "default": rt.dtype}})
+    for module_name, module in pipe.transformer.named_modules():  # attention's image and text halves, slices of one
+        if module_name.endswith(("attn.to_out.0", "attn.to_add_out")):  # tensor, contiguous: matmul folds them (on CPU,
+            module.register_forward_pre_hook(lambda _, a: (a[0].contiguous(), *a[1:]))  # else a weight copy per row)
     settings = {"resolution": resolution, "guidance_scale": guidance_scale, "max_sequence_length": max_sequence_length}
     return compile_blocks(adapter_cls(pipe, rt.device, rt.dtype, offload_encoders=offload_encoders,
                                       **{k: v for k, v in settings.items() if v is not None}), rt)

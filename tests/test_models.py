@@ -76,6 +76,22 @@ def test_the_real_loader_reads_the_transformer_before_anything_else(name, monkey
 
 
 @pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_the_attention_output_projections_read_contiguous_inputs(name):
+    """diffusers hands attention's image and text halves to to_out / to_add_out as slices of one tensor; a matmul
+    cannot fold such a slice into one product, and on CPU it then copies the weight once per row (-16% of a LoRA
+    step's time at SD3.5-M widths once they are contiguous). load_model makes them contiguous, under a LoRA too; the
+    velocity stays diffusers' own pipeline's (test_ode_rollout_reproduces_the_diffusers_pipeline)."""
+    adapter = common.load_model(name, RT, tiny_pipeline(name), resolution=32, guidance_scale=4.5)
+    common.add_lora(adapter.transformer, 4, 4.0, adapter.lora_targets)
+    layouts = []
+    for module_name, module in adapter.transformer.named_modules():
+        if module_name.endswith(("attn.to_out.0.base_layer", "attn.to_add_out.base_layer")):
+            module.register_forward_pre_hook(lambda _, args: layouts.append(args[0].is_contiguous()))
+    adapter.velocity(adapter.transformer, adapter.noise(2), 0.5, adapter.encode(PROMPTS))
+    assert len(layouts) >= 2 and all(layouts), layouts
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
 def test_offloaded_text_encoders_go_to_the_device_only_to_encode(name, monkeypatch):
     """--offload-encoders: every text encoder is sent to the compute device (a torch.device) for the encode and back
     to "cpu" after it, and the conditioning is the same as with the encoders kept on the device."""
