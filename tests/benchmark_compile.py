@@ -254,8 +254,11 @@ def side_by_side(checkout: str, iterations: int, threads: int, out: Path, env: d
     """--official: each recipe run by the official code, then by flow_grpo in eager and compiled bf16; the table."""
     model = out / "sd3-random2"                       # the one folder both sides load (float32, as saved)
     if not (model / "model_index.json").exists():
-        subprocess.run([sys.executable, "-c", "import sys, common; common.build_pipeline('sd3', common.architecture("
-                        "'sd3', 2)).save_pretrained(sys.argv[1])", str(model)], cwd=ROOT, env=env, check=True)
+        proc = subprocess.run([sys.executable, "-c", "import sys, common; common.build_pipeline('sd3', common."
+                               "architecture('sd3', 2)).save_pretrained(sys.argv[1])", str(model)], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"saving the random-weight SD3.5-M widths to {model} failed:\n{proc.stderr[-3000:]}")
     rows, tic = [], time.time()
     for recipe in RECIPES:
         runs = {"official": [sys.executable, __file__, "--official-worker", recipe, checkout, str(model),

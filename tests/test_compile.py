@@ -139,6 +139,25 @@ def test_gpu_check_compiled_row_on_cpu(tmp_path):
     assert status["ratio_dev_first_update"] == status["clip_frac_first_update"] == "PASS"
 
 
+def test_the_side_by_side_gives_flow_grpo_the_official_configs_settings():
+    """benchmark_compile --official runs flow_grpo with RECIPES' flags beside the official configs pickscore_sd3
+    (full) and pickscore_sd3_fast_nocfg (Fast) of Flow-GRPO at commit 9745241, whose settings (config/grpo.py over
+    config/base.py, resized as official_worker resizes them) are written out here."""
+    import benchmark_compile
+    official = {"full": dict(guidance_scale=4.5, beta=0.01, clip_range=1e-4, noise_level=0.7, sde_type="flow",
+                             sde_window=0, timestep_fraction=0.99),
+                "fast": dict(guidance_scale=1.0, beta=0.0, clip_range=1e-5, noise_level=0.8, sde_type="cps",
+                             sde_window=3, sde_window_range="0,5")}
+    for recipe, settings in official.items():
+        args = common.cli(flow_grpo.Args, [*benchmark_compile.REAL, *benchmark_compile.RECIPES[recipe]],
+                          flow_grpo.MODEL_DEFAULTS)
+        assert {k: getattr(args, k) for k in settings} == settings
+        assert (args.lr, args.adv_clip, args.global_std, args.ema, args.lora_rank, args.lora_alpha) == (
+            3e-4, 5.0, True, True, 32, 64)
+        assert (args.prompts_per_step, args.group_size, args.micro_batch, args.updates_per_rollout, args.sample_steps,
+                args.resolution, args.gradient_checkpointing) == (2, 8, 8, 2, 10, 64, False)
+
+
 @pytest.mark.slow  # the compiled runs above are the default suite's
 def test_the_compile_benchmark_quick_mode_runs_every_path(tmp_path):
     """tests/benchmark_compile.py --quick: flow_grpo on the tiny FLUX eager in float32 and bf16 and compiled in bf16,
