@@ -64,13 +64,22 @@ def sd3_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 10
 
 
 def flux_sigmas(num_steps: int, image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
-                base_shift: float = 0.5, max_shift: float = 1.15) -> torch.Tensor:
+                base_shift: float = 0.5, max_shift: float = 1.15, mu: float | None = None) -> torch.Tensor:
     """FLUX's resolution-dependent ("dynamic") shift: u = linspace(1, 1/T, T),
-    t = e^mu / (e^mu + 1/u - 1), mu linear in the number of image tokens. Returns (T+1,) float32."""
-    mu = base_shift + (image_seq_len - base_seq_len) * (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    t = e^mu / (e^mu + 1/u - 1), mu linear in the number of image tokens (or given). Returns (T+1,) float32."""
+    if mu is None:
+        mu = base_shift + (image_seq_len - base_seq_len) * (max_shift - base_shift) / (max_seq_len - base_seq_len)
     u = torch.from_numpy(np.linspace(1.0, 1.0 / num_steps, num_steps).astype(np.float32))
     t = math.exp(mu) / (math.exp(mu) + (1 / u - 1))
     return torch.cat([t.float(), torch.zeros(1)])
+
+
+def flux2_sigmas(num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """FLUX.2's grid: FLUX's shift with an empirical mu linear in the image tokens n and in the steps T (diffusers'
+    compute_empirical_mu, BFL's get_schedule), so a 10-step and a 40-step grid lie on different curves."""
+    m200, m10 = 0.00016927 * image_seq_len + 0.45666666, 8.73809524e-5 * image_seq_len + 1.89833333
+    a = (m200 - m10) / 190.0  # mu(T) through mu(10) = m10 and mu(200) = m200; past 4300 tokens, m200 at any T
+    return flux_sigmas(num_steps, image_seq_len, mu=m200 if image_seq_len > 4300 else a * num_steps + m200 - 200 * a)
 
 
 def uniform_sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
@@ -186,12 +195,19 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 #                                   transformer to call (the trained one, DDP-wrapped or the reference)
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict), weights_dtype (the transformer's as loaded, and as published)
-MODELS = ("toy", "flux", "sd3")
-HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium"}
+MODELS = ("toy", "flux", "sd3", "flux2")
+HUB_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "sd3": "stabilityai/stable-diffusion-3.5-medium",
+           "flux2": "black-forest-labs/FLUX.2-klein-base-4B"}
 FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                      "ff_context.net.2"]
 SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
+# FLUX.2's: every linear layer of every block. Its MLPs are linear_in / linear_out; a single block's input is one fused
+# attention-and-MLP projection and its output a Linear `attn.to_out`, a name whose suffix would also pick the double
+# blocks' to_out list, so Flux2Adapter names each single block's (FLUX.1's names would adapt the double blocks'
+# attention alone, a tenth of the blocks' weights, without an error)
+FLUX2_LORA_TARGETS = SD3_LORA_TARGETS + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                                         "ff_context.linear_out", "attn.to_qkv_mlp_proj"]
 
 
 def cond_select(cond: dict, idx) -> dict:
@@ -238,11 +254,15 @@ def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
 class EMA:
     """Exponential moving average of the trainable parameters: after optimizer step n (from 1), if n + 1 is a multiple
     of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`; with `warmup`, the official GRPO trainers' schedule,
-    d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False)."""
+    d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False).
+    `offload`: the average in CPU memory (full fine-tuning on one GPU: FLUX.2-klein 4B's takes 15.5 GB)."""
 
-    def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True):
-        self.params, self.decay, self.every, self.warmup = list(params), decay, every, warmup
-        self.shadow = [p.detach().clone() for p in self.params]
+    def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True, offload: bool = False):
+        self.params, self.decay, self.every, self.warmup, self.offload = list(params), decay, every, warmup, offload
+        self.shadow = [self.copy(p) for p in self.params]
+
+    def copy(self, p: torch.Tensor) -> torch.Tensor:
+        return p.detach().to("cpu", copy=True) if self.offload else p.detach().clone()
 
     @torch.no_grad()
     def step(self, optimizer_step: int):
@@ -250,12 +270,12 @@ class EMA:
             return
         d = min((1 + optimizer_step) / (10 + optimizer_step), self.decay) if self.warmup else self.decay
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach(), 1 - d)
+            s.lerp_(p.detach().to(s.device), 1 - d)
 
     @contextlib.contextmanager
     def swapped_in(self):
         """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
-        backup = [p.detach().clone() for p in self.params]
+        backup = [self.copy(p) for p in self.params]
         with torch.no_grad():
             for p, s in zip(self.params, self.shadow):
                 p.copy_(s)
@@ -463,7 +483,7 @@ class Runtime:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
-GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16"}  # --dtype's default on a GPU (README, Precision)
+GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16", "flux2": "bf16"}  # --dtype's on a GPU (README, Precision)
 COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
 
 
@@ -707,9 +727,11 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     pre = Parser(add_help=False)
     pre.add_argument("--model", default=fields["model"].default)
-    model = pre.parse_known_args(argv)[0].model
+    pre.add_argument("--model-path")
+    model, path = vars(pre.parse_known_args(argv)[0]).values()
     parser = Parser(description=f"{doc} Defaults shown are those of --model {model}.")
-    defaults = {k: v for k, v in (model_defaults or {}).get(model, {}).items() if k in fields}
+    table = {**(model_defaults or {}).get(model, {}), **(FLUX2_DISTILLED if distilled(model, path) else {})}
+    defaults = {k: v for k, v in table.items() if k in fields}
     for f in fields.values():
         default = defaults.get(f.name, f.default)
         typ = str(f.type).replace(" | None", "")
@@ -1045,8 +1067,9 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
-    """--lora-rank 0: float32 master weights, cast a block at a time, `ref` too (so it computes as the policy starts);
-    `shard` (--fsdp): FSDP2 per block, then the root, gathered in --dtype, gradients float32, `ref` alike (README)."""
+    """--lora-rank 0: float32 master weights, cast a block at a time; `ref` too, but its linear layers' weights in the
+    compute dtype, to which autocast casts the policy's: it computes as the policy starts, in half the memory; `shard`
+    (--fsdp): FSDP2 per block, then the root, gathered in --dtype, gradients float32, `ref` alike, float32 (README)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # RMSNorm's float32 weight: unfused
@@ -1057,6 +1080,8 @@ def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: 
                     q.data = q.data.to(torch.float32)
             if shard:
                 fully_shard(block, mp_policy=mp)
+    for linear in (m for m in (ref.modules() if ref is not None and not shard else []) if type(m) is torch.nn.Linear):
+        linear.weight.data = linear.weight.data.to(rt.dtype)
     return [q for q in transformer.parameters() if q.requires_grad]
 
 
@@ -1558,7 +1583,8 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
 
 
 # What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
-EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40)}  # -> (reward, ODE steps)
+EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40),  # -> (reward, ODE steps)
+                 "flux2": ("pickscore", 50)}
 # Its numeric flags -> (at least, at most), the trainers' bounds (images: --eval-images, steps: --eval-steps).
 EVAL_BOUNDS = {"images": (1, 100_000), "steps": (1, 1000), "seed": (0, 2**63 - 1), "resolution": (16, 4096),
                "guidance_scale": (0, None), "max_sequence_length": (1, 512), "threads": (1, 1024),
@@ -1616,7 +1642,9 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         value = getattr(a, flag)
         return value if value is not None else run.get({"images": "eval_images", "steps": "eval_steps"}.get(
             flag, flag), fallback)
-    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", EVAL_DEFAULTS[model][1])
+    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", FLUX2_DISTILLED["eval_steps"] if
+                                                                      distilled(model, a.model_path) else
+                                                                      EVAL_DEFAULTS[model][1])
     images, seed, dtype = pick("images", 64), pick("seed", 0), pick("dtype")
     for flag, (low, high) in EVAL_BOUNDS.items():
         check_flag(flag, pick(flag), low, high)
@@ -2014,14 +2042,15 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
         root = Path(path) if path else ASSETS / "toy"
         return compile_blocks(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype), rt)
-    from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
-    cls, net_cls, adapter_cls = {"flux": (FluxPipeline, FluxTransformer2DModel, FluxAdapter),
-                                 "sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel, SD3Adapter)}[name]
+    import diffusers as d
+    cls, net_cls, adapter_cls = {"flux": (d.FluxPipeline, d.FluxTransformer2DModel, FluxAdapter),
+                                 "sd3": (d.StableDiffusion3Pipeline, d.SD3Transformer2DModel, SD3Adapter),
+                                 "flux2": (d.Flux2KleinPipeline, d.Flux2Transformer2DModel, Flux2Adapter)}[name]
     if path and path.startswith("random"):
         pipe = build_pipeline(name, architecture(name, random_depth(path, name)), device=rt.device, dtype=rt.dtype)
     else:  # read in the dtypes _freeze_pipeline keeps, so nothing is rounded on the way (torch_dtype before 0.40);
-        import diffusers  # the transformer first: the peak of its read (a few times its file) meets nothing else
-        key = "dtype" if tuple(map(int, diffusers.__version__.split(".")[:2])) >= (0, 40) else "torch_dtype"
+        key = "dtype" if tuple(map(int, d.__version__.split(".")[:2])) >= (0, 40) else "torch_dtype"  # the
+        # transformer first: the peak of its read (a few times its file) meets nothing else
         net = net_cls.from_pretrained(path or HUB_IDS[name], subfolder="transformer", **{key: weight_dtype(rt.dtype)})
         pipe = cls.from_pretrained(path or HUB_IDS[name], transformer=net, **{key: {"vae": torch.float32,
                                                                                      "default": rt.dtype}})
@@ -2074,7 +2103,10 @@ class FluxFamilyAdapter:
 
 
 class PipelineAdapter:
-    """What FLUX and SD3 share: a diffusers pipeline, every module frozen (_freeze_pipeline) until add_lora."""
+    """What FLUX, SD3 and FLUX.2 share: a diffusers pipeline, every module frozen (_freeze_pipeline) until add_lora;
+    with `cfg`, classifier-free guidance, the empty prompt as the negative, both in one batch (as SD3's pipeline)."""
+
+    cfg = property(lambda self: self.guidance_scale > 1)
 
     def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
                  offload_encoders: bool):
@@ -2082,7 +2114,7 @@ class PipelineAdapter:
         self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
         self.device, self.dtype, self.resolution, self.weights_dtype = device, dtype, resolution, weight_dtype(dtype)
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
-        self.offload_encoders = offload_encoders
+        self.offload_encoders, self.negative = offload_encoders, None
 
     @contextlib.contextmanager
     def encoders_on_device(self):
@@ -2097,9 +2129,29 @@ class PipelineAdapter:
             for m in moved:
                 m.to("cpu")
 
+    @torch.no_grad()
+    def encode(self, prompts):
+        with self.encoders_on_device():
+            if self.negative is None and self.cfg:
+                self.negative = self._encode([""])
+            return self._encode(prompts)
+
+    def velocity(self, net, x, t, cond):
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
+        if self.cfg:  # [negative, prompt] in one batch
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            cond = {k: torch.cat([self.negative[k].expand_as(v), v]) for k, v in cond.items()}
+        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipelines: bf16 makes 913.35 912
+            out = self._forward(net, x.to(self.weights_dtype), t, cond).float()
+        if not self.cfg:
+            return out
+        uncond, text = out.chunk(2)
+        return uncond + self.guidance_scale * (text - uncond)
+
     def vae_decode(self, latents):
-        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift)."""
-        latents = latents / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift, where the VAE has them)."""
+        c = self.vae.config
+        latents = latents / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
@@ -2107,10 +2159,10 @@ class PipelineAdapter:
         type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
 
 
-class FluxAdapter(PipelineAdapter, FluxFamilyAdapter):
+class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
     """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
 
-    lora_targets = FLUX_LORA_TARGETS
+    lora_targets, cfg = FLUX_LORA_TARGETS, False
 
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
                  max_sequence_length: int = 512, offload_encoders: bool = False):
@@ -2158,7 +2210,6 @@ class SD3Adapter(PipelineAdapter):
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
         self.h = resolution // pipe.vae_scale_factor
         self.channels = self.transformer.config.in_channels
-        self.negative = None
 
     def _encode(self, prompts):
         embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
@@ -2166,39 +2217,94 @@ class SD3Adapter(PipelineAdapter):
                                                        max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
 
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            if self.negative is None and self.guidance_scale > 1:
-                self.negative = self._encode([""])
-            return self._encode(prompts)
-
     def noise(self, n, generator=None):
         return torch.randn((n, self.channels, self.h, self.h), generator=generator).to(self.device)
 
     def sigmas(self, num_steps):
         return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
 
-    def velocity(self, net, x, t, cond):
-        b = len(x)
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(b)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled"]
-        cfg = self.guidance_scale > 1
-        if cfg:  # [uncond, cond] in one batch, like the pipeline
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([self.negative["prompt_embeds"].expand(b, -1, -1), embeds])
-            pooled = torch.cat([self.negative["pooled"].expand(b, -1), pooled])
-        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
-            out = net(hidden_states=x.to(self.weights_dtype), timestep=t * 1000, encoder_hidden_states=embeds,
-                      pooled_projections=pooled, return_dict=False)[0].float()
-        if cfg:
-            uncond, text = out.chunk(2)
-            out = uncond + self.guidance_scale * (text - uncond)
-        return out
+    def _forward(self, net, x, t, cond):
+        return net(hidden_states=x, timestep=t * 1000, encoder_hidden_states=cond["prompt_embeds"],
+                   pooled_projections=cond["pooled"], return_dict=False)[0]
 
     @torch.no_grad()
     def decode(self, x):
         return self.vae_decode(x.float())
+
+
+# A step-distilled FLUX.2-klein (is_distilled in its model_index.json: the 4B and 9B that are not "base") samples in 4
+# steps without CFG: its defaults, over MODEL_DEFAULTS["flux2"] (the base model's) in the trainers and evaluate.
+FLUX2_DISTILLED = {"guidance_scale": 1.0, "sample_steps": 4, "eval_steps": 4}
+
+
+def distilled(model: str, path: str | None) -> bool:
+    """Whether --model flux2 --model-path `path` is step-distilled: its model_index.json (a hub repository's read
+    into the hub cache) says is_distilled. Not there, offline or not JSON: no; check_model names what is wrong."""
+    with contextlib.suppress(Exception):
+        return model == "flux2" and bool(path) and not path.startswith("random") and json.loads(Path(hub_file(
+            path, "model_index.json")).read_text()).get("is_distilled") is True
+    return False
+
+
+class Flux2Adapter(PipelineAdapter):
+    """FLUX.2-klein: one Qwen3 text encoder (its layers 9, 18 and 27 side by side), latent tokens of 128 channels (2x2
+    patches of 32 VAE channels, scaled by a batch norm's statistics), 4-axis position ids, a shift of both the image's
+    size and the step count; the base model takes CFG with the empty negative, the step-distilled one none."""
+
+    lora_targets = property(lambda self: FLUX2_LORA_TARGETS + [  # each single block's to_out by name
+        f"single_transformer_blocks.{i}.attn.to_out" for i in range(len(self.transformer.single_transformer_blocks))])
+
+    def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float | None = None,
+                 max_sequence_length: int = 512, offload_encoders: bool = False):
+        f, distilled, where = 2 * pipe.vae_scale_factor, pipe.config.is_distilled, pipe.name_or_path or "the model"
+        if resolution % f or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for FLUX.2")
+        if not pipe.scheduler.config.use_dynamic_shifting:  # its grid would be a static shift's
+            raise UsageError(f"{where}: its scheduler config does not ask for dynamic shifting, which FLUX.2's "
+                             f"sampling grid is (common.flux2_sigmas): pass FLUX.2-klein's own --model-path")
+        if distilled and (guidance_scale or 1) > 1:
+            raise UsageError(f"--guidance-scale {guidance_scale}: {where} is step-distilled (is_distilled), which "
+                             f"takes no CFG: pass --guidance-scale 1")
+        super().__init__(pipe, device, dtype, resolution, guidance_scale or (1.0 if distilled else 4.0),
+                         max_sequence_length, offload_encoders)
+        self.h = resolution // f  # latent tokens per side
+        depth = pipe.text_encoder.config.num_hidden_layers  # the pipeline's layers; random:N's 1-layer encoder: its
+        self.text_layers = [min(k, depth) for k in (9, 18, 27)]  # last, thrice
+        self.img_ids = pipe._prepare_latent_ids(torch.empty(1, 1, self.h, self.h))[0].to(device)       # (h h, 4)
+        self.txt_ids = pipe._prepare_text_ids(torch.empty(1, max_sequence_length, 1))[0].to(device)    # (L, 4)
+
+    def _encode(self, prompts):
+        """The pipeline's encode_prompt with only what it reads: each prompt in Qwen3's chat template (no thinking),
+        padded to max_sequence_length tokens, the hidden states of text_layers side by side. The encoder keeps those
+        three states and one row of logits, where the pipeline keeps all 37 and 512 of 151,936 logits a prompt."""
+        tok, encoder = self.pipe.tokenizer, self.pipe.text_encoder
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False) for p in prompts]
+        ids = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
+                  max_length=self.max_sequence_length).to(encoder.device)
+        states = encoder(input_ids=ids.input_ids, attention_mask=ids.attention_mask, use_cache=False,
+                         output_hidden_states=self.text_layers, logits_to_keep=1).hidden_states
+        return {"prompt_embeds": torch.cat([states[k] for k in self.text_layers], -1)}  # (B, L, 3 x hidden)
+
+    def noise(self, n, generator=None):
+        """Drawn as the pipeline draws it, patchified latents (n, 128, h, h), then packed: (n, h h, 128)."""
+        x = torch.randn((n, self.transformer.config.in_channels, self.h, self.h), generator=generator)
+        return rearrange(x, "n c h w -> n (h w) c").to(self.device)
+
+    def sigmas(self, num_steps):
+        return flux2_sigmas(num_steps, self.h**2)
+
+    def _forward(self, net, x, t, cond):  # no guidance embedding, no pooled text
+        return net(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids,
+                   img_ids=self.img_ids, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, x):
+        """Tokens -> the batch norm's statistics undone -> the 2x2 patches unfolded -> the VAE."""
+        bn, eps = self.vae.bn, self.vae.config.batch_norm_eps
+        x = rearrange(x.float(), "n (h w) c -> n c h w", h=self.h)
+        x = x * torch.sqrt(bn.running_var + eps)[:, None, None] + bn.running_mean[:, None, None]
+        return self.vae_decode(self.pipe._unpatchify_latents(x))
 
 
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
@@ -2881,8 +2987,8 @@ ARCHITECTURES = ASSETS / "architectures"
 
 
 def architecture(family: str, blocks: int | None = None) -> dict:
-    """{component: config} of the published "flux" or "sd3" pipeline; `blocks`: that many transformer blocks of each
-    kind (SD3's dual attention in its first 13) and 1-layer text encoders, widths unchanged."""
+    """{component: config} of the published "flux", "sd3" or "flux2" pipeline; `blocks`: that many transformer blocks of
+    each kind (SD3's dual attention in its first 13) and 1-layer text encoders, widths unchanged."""
     configs = {p.parent.name: json.loads(p.read_text()) for p in (ARCHITECTURES / family).glob("*/config.json")}
     if blocks:
         t = configs["transformer"]
@@ -2890,8 +2996,9 @@ def architecture(family: str, blocks: int | None = None) -> dict:
         if t.get("dual_attention_layers"):
             t["dual_attention_layers"] = list(range(min(blocks, len(t["dual_attention_layers"]))))
         for name, config in configs.items():
-            if name.startswith("text_encoder"):
+            if name.startswith("text_encoder"):  # a saved Qwen3 config lists a layer type per layer
                 config["num_layers" if "d_model" in config else "num_hidden_layers"] = 1
+                config.pop("layer_types", None)
     return configs
 
 

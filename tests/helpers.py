@@ -26,8 +26,9 @@ def find_trainers(root: Path = ROOT) -> list[str]:
 
 TRAINERS = find_trainers()
 
-# FLUX.1-dev's and SD3.5-Medium's structure (guidance embedding, CLIP + T5, dynamic shift; two CLIPs + T5, qk-norm,
-# dual attention) at a few thousand parameters: the sizes set over common.architecture's configs (`tiny_configs`).
+# FLUX.1-dev's, SD3.5-Medium's and FLUX.2-klein's structure (guidance embedding, CLIP + T5, dynamic shift; two CLIPs +
+# T5, qk-norm, dual attention; Qwen3, 128-channel tokens, a batch-norm VAE) at a few thousand parameters: the sizes set
+# over common.architecture's configs (`tiny_configs`).
 TINY_CONFIGS = {
     "flux": {
         "transformer": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -54,6 +55,15 @@ TINY_CONFIGS = {
                                feed_forward_proj="gated-gelu"),
         "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=16, norm_num_groups=4,
                     sample_size=64, scaling_factor=1.5305, shift_factor=0.0609),
+    },
+    "flux2": {  # a text encoder of 28 layers: the pipeline reads the hidden states after layers 9, 18 and 27
+        "transformer": dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=16,
+                            axes_dims_rope=(4, 4, 4, 4)),
+        "text_encoder": dict(hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8, bos_token_id=None, eos_token_id=None),
+        "vae": dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                    sample_size=64),
     },
 }
 
@@ -100,22 +110,50 @@ def tiny_configs(family: str) -> dict:
     return configs
 
 
+# Qwen3's chat template for what FLUX.2-klein's pipeline asks of it: user messages, the generation prompt, and the empty
+# thinking block that enable_thinking=False adds.
+QWEN3_CHAT_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                       "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                       "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is "
+                       "false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def qwen_tokenizer():
+    """A byte-level Qwen2 tokenizer built in code: Qwen's 256 byte symbols (no merges, so every byte is a token), its
+    special tokens and QWEN3_CHAT_TEMPLATE. assets/architectures/flux2/tokenizer is this, saved with save_pretrained
+    (test_models holds the two equal): FLUX.2-klein's offline pipelines tokenize as the real one, byte by byte."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], chat_template=QWEN3_CHAT_TEMPLATE, model_max_length=131072)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
+    return tok
+
+
 def tokenizer(family: str = "flux", name: str = "tokenizer"):
     """One of the assets' tokenizers of common.build_pipeline (CLIP's by default)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(common.ARCHITECTURES / family / name)
 
 
-def tiny_pipeline(family: str) -> str:
-    """The folder of the tiny `family` ("flux" or "sd3") pipeline, random weights from seed 0: built and saved with
-    save_pretrained on first use in this process, removed when this process exits (not a forked child). Runs,
-    torchrun workers too, read it with --model-path, as a user's saved model."""
-    if family not in _PIPELINES:
-        folder = tempfile.mkdtemp(prefix=f"tiny-{family}-")
+def tiny_pipeline(family: str, distilled: bool = False) -> str:
+    """The folder of the tiny `family` ("flux", "sd3" or "flux2") pipeline, random weights from seed 0 (FLUX.2's VAE
+    statistics too; `distilled`: a step-distilled FLUX.2-klein): built and saved with save_pretrained on first use in
+    this process, removed when this process exits (not a forked child). Runs, torchrun workers too, read it with
+    --model-path, as a user's saved model."""
+    key = family + "-distilled" * distilled
+    if key not in _PIPELINES:
+        folder = tempfile.mkdtemp(prefix=f"tiny-{key}-")
         atexit.register(_remove_in, os.getpid(), folder)
-        common.build_pipeline(family, tiny_configs(family), seed=0).save_pretrained(folder)
-        _PIPELINES[family] = folder
-    return _PIPELINES[family]
+        pipe = common.build_pipeline(family, tiny_configs(family), seed=0)
+        if family == "flux2":  # a trained VAE's batch-norm statistics, which decoding must undo
+            g = torch.Generator().manual_seed(0)
+            pipe.vae.bn.running_mean.normal_(generator=g)
+            pipe.vae.bn.running_var.uniform_(0.5, 2.0, generator=g)
+            pipe.register_to_config(is_distilled=distilled)
+        pipe.save_pretrained(folder)
+        _PIPELINES[key] = folder
+    return _PIPELINES[key]
 
 
 def _remove_in(pid: int, folder: str):

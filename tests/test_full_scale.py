@@ -40,6 +40,51 @@ def test_full_depth_transformers_have_the_published_parameter_counts(family, pub
         assert duals == [True] * 13 + [False] * 11                           # SD3.5-M: dual attention in 0..12
 
 
+def test_flux2_klein_4b_has_the_published_parameter_counts():
+    """assets/architectures/flux2: FLUX.2-klein 4B's transformer (5 double and 20 single blocks of 24 heads of 128: 3.9B
+    parameters), Qwen3-4B (36 layers of 2560: 4.0B) and the FLUX.2 VAE (84M, its decoder 50M)."""
+    pipe = common.build_pipeline("flux2", common.architecture("flux2"), device="meta")
+    assert type(pipe).__name__ == "Flux2KleinPipeline" and not pipe.config.is_distilled  # the base model's folder
+    assert n_params(pipe.transformer) == pytest.approx(3.876e9, rel=0.001)
+    assert (len(pipe.transformer.transformer_blocks), len(pipe.transformer.single_transformer_blocks)) == (5, 20)
+    assert n_params(pipe.text_encoder) == pytest.approx(4.022e9, rel=0.001)
+    assert (pipe.text_encoder.config.num_hidden_layers, pipe.text_encoder.config.hidden_size) == (36, 2560)
+    assert n_params(pipe.vae) == pytest.approx(84.0e6, rel=0.001) and n_params(pipe.vae.decoder) == pytest.approx(
+        49.6e6, rel=0.001)
+    small = common.architecture("flux2", blocks=2)
+    assert small["text_encoder"]["num_hidden_layers"] == 1 and small["transformer"]["num_single_layers"] == 2
+
+
+def lora_share(family: str, targets=None) -> float:
+    """The share of the weights of the linear layers of the transformer's blocks that a LoRA adapts, on the published
+    architecture: the model's adapter's targets, or `targets`."""
+    import types
+    transformer = common.build_pipeline(family, common.architecture(family), device="meta").transformer
+    if targets is None:
+        cls = {"flux": common.FluxAdapter, "sd3": common.SD3Adapter, "flux2": common.Flux2Adapter}[family]
+        targets = cls.__dict__["lora_targets"]
+        targets = targets.fget(types.SimpleNamespace(transformer=transformer)) if isinstance(targets, property) else \
+            targets
+    common.add_lora(transformer, 4, 4, targets)
+    linears = [m for block in common.transformer_blocks(transformer) for name, m in block.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in name]        # the model's own, adapted or not
+    adapted = {id(m.base_layer) for block in common.transformer_blocks(transformer) for m in block.modules()
+               if hasattr(m, "lora_A")}
+    return sum(m.weight.numel() for m in linears if id(m) in adapted) / sum(m.weight.numel() for m in linears)
+
+
+def test_each_lora_adapts_the_share_of_the_blocks_it_means_to():
+    """FLUX.2's LoRA adapts every linear layer of every block (the modulations are the root's); FLUX.1's, as diffusers'
+    FLUX LoRA script and Flow-GRPO, the double blocks' projections and the single blocks' q, k, v (45% of the blocks'
+    linear weights: not the modulations nor the single blocks' MLP); SD3's, as Flow-GRPO's, the joint attention (20%).
+    FLUX.1's names on FLUX.2 would match the double blocks' attention alone, 10% (16% of a rank-64 adapter's own
+    parameters), without an error: a target list that silently trains a fraction of the model fails here."""
+    assert lora_share("flux2") == 1.0
+    assert lora_share("flux") == pytest.approx(0.4545, abs=1e-4)
+    assert lora_share("sd3") == pytest.approx(0.2028, abs=1e-4)
+    assert lora_share("flux2", common.FLUX_LORA_TARGETS) == pytest.approx(0.1026, abs=1e-4)
+
+
 def lora_layers(transformer) -> set[str]:
     return {name for name, m in transformer.named_modules() if hasattr(m, "lora_A")}
 

@@ -110,3 +110,99 @@ def test_offloaded_text_encoders_go_to_the_device_only_to_encode(name, monkeypat
     assert [d for _, d in moves[n:]] == ["cpu"] * n
     for key in want:
         assert torch.equal(want[key], got[key])
+
+
+# ---- FLUX.2-klein ----
+def flux2_latents_as_tokens(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """The pipeline's output_type="latent" (VAE latents, its batch-norm statistics undone) back to the adapter's
+    tokens, by the pipeline's own functions: 2x2 patches folded, the statistics applied, packed."""
+    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+    x = pipe._patchify_latents(latents)
+    return pipe._pack_latents((x - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(bn.running_var.view(1, -1, 1, 1)
+                                                                                   + eps))
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_flux2_ode_sampling_reproduces_the_klein_pipeline(distilled):
+    """FLUX.2-klein base (CFG 4, the empty prompt as negative) and step-distilled (no CFG: its pipeline ignores the
+    scale): the Euler sampler (the SDE step at noise level 0) from the adapter's noise ends where the pipeline ends from
+    the same noise, latents and decoded images alike. The pipeline makes the CFG's two calls apart, the adapter one."""
+    import diffusers
+    from einops import rearrange
+    adapter = common.load_model("flux2", RT, tiny_pipeline("flux2", distilled), resolution=32)
+    assert adapter.cfg is not distilled and adapter.guidance_scale == (1.0 if distilled else 4.0)
+    steps, cond = 5, adapter.encode(PROMPTS)
+    x = adapter.noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    sigmas, z = adapter.sigmas(steps), x
+    for k in range(steps):
+        z = common.sde_step(z, adapter.velocity(adapter.transformer, z, sigmas[k], cond), sigmas[k], sigmas[k + 1], 0.0,
+                            float(sigmas[1]))[0]
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_pipeline("flux2", distilled))  # untouched by the adapter
+    call = dict(prompt=PROMPTS, height=32, width=32, num_inference_steps=steps, guidance_scale=4.0,
+                latents=rearrange(x, "n (h w) c -> n c h w", h=2))
+    ref = flux2_latents_as_tokens(pipe, pipe(**call, output_type="latent").images)
+    assert (z - ref).abs().max().item() <= 1e-5 and (x - ref).abs().max().item() > 0.1
+    images = pipe(**call, output_type="pt").images
+    assert (adapter.decode(z) - images).abs().max().item() <= 1e-5 and images.shape == (2, 3, 32, 32)
+    assert pipe.vae.bn.running_var.std() > 0.1  # the statistics are not the identity's
+
+
+def test_flux2_text_embeddings_are_the_pipelines_without_the_states_it_drops():
+    """The adapter encodes as the pipeline's encode_prompt (the chat template without thinking, 512 tokens, the hidden
+    states after layers 9, 18 and 27 side by side), to the bit; the text encoder then keeps those three states and one
+    row of logits, where the pipeline's call keeps every layer's and every token's (FLUX.2-klein 4B, 48 prompts in bf16:
+    4.7 GB of hidden states and 7.5 GB of logits)."""
+    adapter = common.load_model("flux2", RT, tiny_pipeline("flux2"), resolution=32)
+    outputs = []
+    adapter.pipe.text_encoder.register_forward_hook(lambda module, args, out: outputs.append(out))
+    ours = adapter.encode(PROMPTS)["prompt_embeds"]              # the negative first (CFG), then the prompts
+    theirs, text_ids = adapter.pipe.encode_prompt(PROMPTS, device=RT.device)
+    assert torch.equal(ours, theirs) and ours.shape == (2, 512, 3 * 16) and torch.equal(adapter.txt_ids, text_ids[0])
+    (_, kept, full), layers = outputs, adapter.pipe.text_encoder.config.num_hidden_layers
+    assert [k for k, h in enumerate(kept.hidden_states) if h is not None] == [9, 18, 27] and kept.logits.shape[1] == 1
+    assert len(full.hidden_states) == layers + 1 and full.logits.shape[1] == 512
+
+
+@pytest.mark.parametrize("resolution", [256, 512, 1024, 2048])
+def test_flux2_grid_is_the_klein_pipelines_at_every_size_and_step_count(resolution):
+    """FLUX.2's shift mu depends on the image's tokens and on the step count (compute_empirical_mu): the adapter's grid
+    at each image size and step count a run uses (training's 4 or 10, evaluation's 28 or 50) is what the klein pipeline
+    sets its scheduler to, so that a 10-step training grid and a 50-step evaluation grid lie on different curves. 2048
+    px (16,384 tokens) takes the branch above 4,300 tokens, where mu no longer depends on the steps."""
+    import diffusers
+    import numpy as np
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_pipeline("flux2"))
+    adapter = common.Flux2Adapter(pipe, RT.device, RT.dtype, resolution)
+    n = (resolution // 16) ** 2
+    for steps in (4, 10, 28, 50):
+        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(n, steps))
+        torch.testing.assert_close(adapter.sigmas(steps), pipe.scheduler.sigmas, atol=1e-7, rtol=0)
+    assert torch.allclose(adapter.sigmas(10), adapter.sigmas(50)[::5], atol=1e-6) == (n > 4300)  # one curve or two
+
+
+def test_a_flux2_scheduler_without_dynamic_shifting_is_refused(tmp_path):
+    """A FLUX.2 pipeline whose scheduler config does not ask for dynamic shifting would sample on a static shift's
+    grid: it is named in one line, not trained."""
+    import diffusers
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(tiny_pipeline("flux2"))
+    pipe.scheduler.register_to_config(use_dynamic_shifting=False)
+    pipe.save_pretrained(tmp_path / "static")
+    with pytest.raises(common.UsageError, match=f"{tmp_path / 'static'}: its scheduler config does not ask for dynamic "
+                                                f"shifting"):
+        common.load_model("flux2", RT, str(tmp_path / "static"), resolution=32)
+
+
+def test_a_step_distilled_flux2_takes_its_defaults_from_is_distilled():
+    """The trainers' flux2 defaults are the base model's (CFG 4, 10 sampling and 50 evaluation steps); a pipeline whose
+    model_index.json says is_distilled gets 4 steps without CFG, and a CFG scale above 1 is refused for it."""
+    import flow_grpo
+    base, step_distilled = (common.cli(flow_grpo.Args, ["--model", "flux2", "--model-path", tiny_pipeline("flux2", d)],
+                                       flow_grpo.MODEL_DEFAULTS) for d in (False, True))
+    assert (base.guidance_scale, base.sample_steps, base.eval_steps) == (4.0, 10, 50)
+    assert (step_distilled.guidance_scale, step_distilled.sample_steps, step_distilled.eval_steps) == (1.0, 4, 4)
+    assert common.cli(flow_grpo.Args, ["--model", "flux2", "--model-path", tiny_pipeline("flux2", True),
+                                       "--sample-steps", "6"], flow_grpo.MODEL_DEFAULTS).sample_steps == 6
+    with pytest.raises(common.UsageError, match="is step-distilled .is_distilled., which takes no CFG: pass "
+                                                "--guidance-scale 1"):
+        common.load_model("flux2", RT, tiny_pipeline("flux2", True), resolution=32, guidance_scale=4.0)

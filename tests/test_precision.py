@@ -17,7 +17,7 @@ import flow_grpo
 from helpers import (ROOT, TRAINERS, read_metrics, run, straight_and_resumed, tiny_argv, tiny_configs, tiny_pipeline,
                      torchrun, trained_params, training_state)
 
-FULL_SCALE = {"flux": "bf16", "sd3": "fp16"}   # each model's --dtype on a GPU (common.GPU_DTYPES)
+FULL_SCALE = {"flux": "bf16", "sd3": "fp16", "flux2": "bf16"}   # each model's --dtype on a GPU (common.GPU_DTYPES)
 QUIET = ["--eval-every", "0", "--threads", "1"]
 
 
