@@ -94,16 +94,17 @@ class Args:
     threads: int | None = field(None, "CPU threads (CPU runs only; default: the cores this process may use, shared "
                                       "among torchrun's ranks, less those other processes keep busy)",
                                 at_least=1, at_most=1024)
-    resolution: int | None = field(None, "image size in pixels (flux / sd3; the toy's is 16)",
+    resolution: int | None = field(None, "image size in pixels (the toy's is 16)",
                                    at_least=16, at_most=4096)
-    guidance_scale: float | None = field(None, "CFG scale (sd3) or guidance embedding (flux); the toy has none",
+    guidance_scale: float | None = field(None, "CFG scale (sd3, flux2) or guidance embedding (flux); the toy has none",
                                          at_least=0)
-    max_sequence_length: int | None = field(None, "T5 prompt tokens (flux: 512, sd3: 128); longer prompts are cut",
+    max_sequence_length: int | None = field(None, "prompt tokens (flux, flux2: 512, sd3: 128); longer prompts are cut",
                                             at_least=1, at_most=512)
     dtype: str | None = field(None, "compute dtype on any device: fp32, bf16, or fp16 (autocast over float32 "
-                                    "transformer weights, loss scaling); default: on a GPU flux and the toy bf16, sd3 "
-                                    "fp16; on a CPU fp32", choices=tuple(common.DTYPES))
-    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16)")
+                                    "transformer weights, loss scaling); default: on a GPU sd3 fp16, the others bf16; "
+                                    "on a CPU fp32", choices=tuple(common.DTYPES))
+    offload_encoders: bool = field(False, "keep the text encoders on the CPU between encodes (T5-XXL: 9.5 GB in bf16, "
+                                          "Qwen3-4B 8 GB)")
     weight_decay: float = field(1e-4, "AdamW weight decay", at_least=0)
     grad_clip: float = field(1.0, "gradient-norm clip", at_least=1e-12)
     lora_rank: int = field(0, "LoRA rank; 0 = full fine-tuning", at_least=0, at_most=4096)
@@ -124,6 +125,9 @@ class Args:
 
 # Full scale: what differs from the toy defaults above: the paper's Standard funnel 48 -> 24 -> 12 on Flow-GRPO's
 # settings (FLUX's checkpoints: reading 6). The toy expands Flow-GRPO's group of 8 as the paper does 24: 16 -> 8 -> 4.
+# FLUX.2-klein (flux2) is this project's choice, as no paper trains it: the SD3.5 recipe (a base model with true CFG,
+# as klein's base is) with klein's CFG 4 and its pipeline's 50 steps at evaluation, on one 80 GB GPU: a sixth of the
+# prompts an iteration, as many per GPU as the paper's runs on 8 or more (README, Defaults per model).
 MODEL_DEFAULTS = {
     "sd3": {
         "reward": "pickscore",
@@ -168,6 +172,26 @@ MODEL_DEFAULTS = {
         "beta": 0.0,
         "funnel": "24,12",
         "checkpoints": "3,4",
+        "baseline_group": 24,
+    },
+    "flux2": {
+        "reward": "pickscore",
+        "prompts": "pickscore",
+        "eval_every": 30,
+        "eval_images": 256,
+        "eval_steps": 50,                 # klein's pipeline's
+        "resolution": 512,
+        "guidance_scale": 4.0,            # the base model's CFG, its pipeline's
+        "lora_rank": 32,
+        "lora_alpha": 64,
+        "ema": True,
+        "gradient_checkpointing": True,
+        "iterations": 1000,
+        "group_size": 48,                 # on the toy's 8 prompts: one GPU, a sixth of the paper's 48
+        "micro_batch": 6,
+        "lr": 3e-4,
+        "beta": 0.001,
+        "funnel": "24,12",
         "baseline_group": 24,
     },
 }
@@ -295,7 +319,7 @@ def main(args: Args) -> dict:
     if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
         params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
-    ema = common.EMA(params) if args.ema else None
+    ema = common.EMA(params, offload=args.lora_rank == 0 and not args.fsdp) if args.ema else None  # full: CPU memory
     net = torch.nn.parallel.DistributedDataParallel(transformer) if rt.distributed and not args.fsdp else transformer
     guard = common.StepGuard(args.max_bad_steps, rt.device,  # skips non-finite steps on every rank; fp16: loss scaling
                              loss_scaling=rt.dtype == torch.float16)

@@ -1,6 +1,6 @@
 """The README's table of defaults, generated from the trainers themselves: one row per model and trainer, each
 cell the effective default of a setting (the `Args` field's default, replaced by the trainer's
-`MODEL_DEFAULTS[model]` for flux and sd3), and the images the trainer scores per iteration at those settings,
+`MODEL_DEFAULTS[model]` for the full-scale models), and the images the trainer scores per iteration at those settings,
 counted by running it (`images_scored`). tests/test_readme.py checks that README.md holds this table.
 
   python tests/readme_tables.py            # print the table
@@ -27,7 +27,7 @@ from helpers import TRAINERS  # noqa: E402
 
 README = ROOT / "README.md"
 BASELINE = "flow_grpo"
-MODELS = ("toy", "sd3", "flux")
+MODELS = ("toy", "sd3", "flux", "flux2")
 # The method settings that have a column of their own; every other field after the shared block goes in the
 # last column, as flags.
 COLUMNS = {"iterations", "prompts_per_step", "group_size", "micro_batch", "lr", "sample_steps", "noise_level",
@@ -96,7 +96,7 @@ def scored(trainer: str, argv: tuple, prompts: int) -> int:
 def guidance(model: str, scale: float | None) -> str:
     if model == "toy" or scale is None:
         return "none"
-    if model == "sd3":
+    if model in ("sd3", "flux2"):
         return f"CFG {fmt(scale)}" if scale > 1 else "none (CFG 1)"
     return f"embedding {fmt(scale)}"
 

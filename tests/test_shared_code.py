@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+import common
 import fix_copies
 import helpers
 from helpers import ROOT
@@ -100,11 +101,11 @@ def test_trainer_is_self_contained_and_short(name):
 
 @pytest.mark.parametrize("name", TRAINERS)
 def test_model_tables_hold_only_what_differs(name):
-    """MODEL_DEFAULTS overrides Args fields for flux / sd3, one key per line, and holds a key only when
+    """MODEL_DEFAULTS overrides Args fields for the full-scale models, one key per line, and holds a key only when
     its value differs from the toy default on the field: the table reads as the list of full-scale changes."""
     module = importlib.import_module(name.removesuffix(".py"))
     fields = {f.name: f.default for f in dataclasses.fields(module.Args)}
-    assert set(module.MODEL_DEFAULTS) <= {"sd3", "flux"}
+    assert set(module.MODEL_DEFAULTS) <= set(common.MODELS) - {"toy"}
     for model, table in module.MODEL_DEFAULTS.items():
         for key, value in table.items():
             assert key in fields, f"{name}: MODEL_DEFAULTS[{model!r}] sets {key!r}, which is not an Args field"
