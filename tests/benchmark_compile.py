@@ -1,6 +1,7 @@
 """Speed and memory in the run's dtype, eager and under --compile: each trainer on SD3.5-Medium's widths with 2 blocks
-(--model-path random:2: real widths, random weights, nothing downloaded) at 64 px, 10 sampling steps, 2 prompts x 8,
-LoRA rank 32, EMA, the jpeg reward, in eager float32, eager bf16 and compiled bf16 (`--dtype bf16 --compile`).
+(--model-path random:2: real widths, random weights, nothing downloaded; --models flux2: FLUX.2-klein 4B's, 2 double
+and 2 single blocks) at 64 px, 10 sampling steps, 2 prompts x 8, LoRA rank 32, EMA, the jpeg reward, the model's CFG,
+in eager float32, eager bf16 and compiled bf16 (`--dtype bf16 --compile`).
 Each run is a process of its own (its peak memory and its compile are its own) of --iterations iterations: the first
 (which compiles) is reported apart, the others give the medians. A table row: seconds per iteration and its rollout,
 reward and update parts (as the trainer logs them: t_rollout, with V-GRPO's t_surrogate_old, t_reward, t_update), the
@@ -10,6 +11,7 @@ a preview's too).
 
   python tests/benchmark_compile.py                        # 4 trainers x 3 modes, 4 iterations each (README table)
   python tests/benchmark_compile.py --trainers flow_grpo --modes bf16,bf16-compile --iterations 6
+  python tests/benchmark_compile.py --models flux2 --trainers flow_grpo --modes bf16,bf16-compile
   python tests/benchmark_compile.py --quick                # the tiny FLUX, flow_grpo, 2 iterations (a slow test)
   python tests/benchmark_compile.py --official CHECKOUT     # flow_grpo beside the official code, Fast and full recipes
 
@@ -54,13 +56,13 @@ RECIPES = {"full": ["--guidance-scale", "4.5", "--beta", "0.01", "--no-gradient-
                     "--noise-level", "0.8", "--clip-range", "1e-5", "--beta", "0", "--no-gradient-checkpointing"]}
 
 
-def argv_of(trainer: str, mode: str, quick: bool, iterations: int, threads: int, out: Path) -> list[str]:
+def argv_of(model: str, trainer: str, mode: str, quick: bool, iterations: int, threads: int, out: Path) -> list[str]:
     """The trainer's command line for one run."""
     if quick:
         from helpers import tiny_argv
         sizes = [*tiny_argv(trainer, "flux"), "--eval-every", "0", "--save-every", "0"]
     else:
-        sizes = [*REAL, *TRAINER_REAL.get(trainer, [])]
+        sizes = [*REAL, "--model", model, *TRAINER_REAL.get(trainer, [])]
     return [*sizes, *MODES[mode], "--iterations", str(iterations), "--threads", str(threads), "--output-dir", str(out)]
 
 
@@ -111,7 +113,8 @@ def worker(trainer: str, mode: str, argv: list[str], result: Path):
     thread = threading.Thread(target=sample_memory, args=(state, peaks), daemon=True)
     thread.start()
     tic = time.time()
-    module.main(common.cli(module.Args, argv, module.MODEL_DEFAULTS))
+    args = common.cli(module.Args, argv, module.MODEL_DEFAULTS)
+    module.main(args)
     wall = time.time() - tic
     state["stop"] = True
     thread.join()
@@ -120,7 +123,7 @@ def worker(trainer: str, mode: str, argv: list[str], result: Path):
     lines = [m for m in lines if "loss" in m]                       # the iterations that trained
     seconds = [b["time_s"] - a["time_s"] for a, b in zip(lines, lines[1:])]
     rollout = [m["t_rollout"] + m.get("t_surrogate_old", 0.0) for m in lines]
-    row = {"trainer": trainer, "mode": mode, "iterations": len(lines), "wall_s": wall,
+    row = {"model": args.model, "trainer": trainer, "mode": mode, "iterations": len(lines), "wall_s": wall,
            "first_s": lines[0]["time_s"], "compile_s": lines[0].get("compile_s", 0.0),
            "later_compiles": sum(m.get("compiles", 0) for m in lines[1:]),
            "s_per_it": statistics.median(seconds), "rollout": statistics.median(rollout[1:]),
@@ -210,15 +213,17 @@ def versions() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["trainer", "mode", "s/it", "rollout", "reward", "update", "x eager bf16", "first iteration (compile)",
-            "peak GiB", *(f"{p} GiB" for p in PHASES)]
+    head = ["model", "trainer", "mode", "s/it", "rollout", "reward", "update", "x eager bf16",
+            "first iteration (compile)", "peak GiB", *(f"{p} GiB" for p in PHASES)]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        base = next((b for b in rows if b["trainer"] == r["trainer"] and b["mode"] == "bf16"), None)
+        base = next((b for b in rows if (b["model"], b["trainer"], b["mode"]) == (r["model"], r["trainer"], "bf16")),
+                    None)
         speed = f"{r['s_per_it'] / base['s_per_it']:.2f}" if base else "-"
         first = f"{r['first_s']:.1f} ({r['compile_s']:.1f})" if r["mode"].endswith("compile") else f"{r['first_s']:.1f}"
-        out.append("| " + " | ".join([r["trainer"], r["mode"], f"{r['s_per_it']:.2f}", f"{r['rollout']:.2f}",
-                                      f"{r['reward']:.2f}", f"{r['update']:.2f}", speed, first, f"{r['peak_gib']:.2f}",
+        out.append("| " + " | ".join([r["model"], r["trainer"], r["mode"], f"{r['s_per_it']:.2f}",
+                                      f"{r['rollout']:.2f}", f"{r['reward']:.2f}", f"{r['update']:.2f}", speed,
+                                      first, f"{r['peak_gib']:.2f}",
                                       *(f"{r[f'peak_{p}_gib']:.2f}" for p in PHASES)]) + " |")
     return "\n".join(out)
 
@@ -280,6 +285,7 @@ def side_by_side(checkout: str, iterations: int, threads: int, out: Path, env: d
 def main(argv=None) -> list[dict]:
     from helpers import TRAINERS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="sd3", help="comma-separated: sd3, flux2")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--iterations", type=int, default=4, help="per run; the first is reported apart (at least 2)")
@@ -297,10 +303,13 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     trainers = ["flow_grpo"] if a.quick else [t.strip() for t in a.trainers.split(",")]
     modes = [m.strip() for m in a.modes.split(",")]
+    models = ["flux"] if a.quick else [m.strip() for m in a.models.split(",")]
     iterations = 2 if a.quick else a.iterations
     a.threads = a.threads or (1 if a.quick else len(os.sched_getaffinity(0)))
-    if bad := [t for t in trainers if t not in TRAINERS] + [m for m in modes if m not in MODES]:
-        ap.error(f"unknown {bad}: --trainers takes {', '.join(TRAINERS)}; --modes {', '.join(MODES)}")
+    if bad := [t for t in trainers if t not in TRAINERS] + [m for m in modes if m not in MODES] + [
+            m for m in models if m not in ("sd3", "flux2", "flux")]:
+        ap.error(f"unknown {bad}: --trainers takes {', '.join(TRAINERS)}; --modes {', '.join(MODES)}; --models sd3, "
+                 f"flux2")
     if iterations < 2:
         ap.error("--iterations must be at least 2: the first is reported apart")
     out = Path(a.out or f"runs/benchmark-compile-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -312,15 +321,16 @@ def main(argv=None) -> list[dict]:
         (out / "side_by_side.md").write_text(text + "\n")
         return []
     rows, tic = [], time.time()
-    for trainer in trainers:
-        for mode in modes:
-            name = f"{trainer}-{mode}"
-            cmd = [sys.executable, __file__, "--worker", trainer, mode, str(out / f"{name}.json"),
-                   *argv_of(trainer, mode, a.quick, iterations, a.threads, out / name)]
-            rows.append(run_worker(name, cmd, out, env))
-            print(f"{name}: {rows[-1]['s_per_it']:.2f} s/it, {time.time() - tic:.0f} s so far", flush=True)
+    for model, trainer, mode in ((m, t, d) for m in models for t in trainers for d in modes):
+        name = f"{model}-{trainer}-{mode}"
+        cmd = [sys.executable, __file__, "--worker", trainer, mode, str(out / f"{name}.json"),
+               *argv_of(model, trainer, mode, a.quick, iterations, a.threads, out / name)]
+        rows.append(run_worker(name, cmd, out, env))
+        print(f"{name}: {rows[-1]['s_per_it']:.2f} s/it, {time.time() - tic:.0f} s so far", flush=True)
+    widths = {"sd3": "SD3.5-M", "flux2": "FLUX.2-klein 4B"}
     setting = ("the tiny FLUX of tests/helpers.py, smoke sizes" if a.quick else
-               "SD3.5-M widths, 2 blocks (random:2), 64 px, 10 steps, 2 prompts x 8, LoRA r32, EMA, jpeg")
+               f"{' and '.join(widths[m] for m in models)} widths, 2 blocks (random:2), 64 px, 10 steps, 2 prompts "
+               f"x 8, LoRA r32, EMA, jpeg, the model's CFG")
     text = (f"Measured {versions()}, --threads {a.threads}; {setting}; {iterations} iterations per run, the first "
             f"apart, medians of the rest; {time.time() - tic:.0f} s in all.\n\n{table(rows)}")
     print("\n" + text)

@@ -42,8 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from helpers import TRAINERS  # noqa: E402  (found by their marker: a fork joins with flow_grpo's group)
-FAMILIES = ["flux", "sd3"]
+from helpers import TRAINERS, lora_targets  # noqa: E402  (found by their marker: a fork joins flow_grpo's group)
+FAMILIES = ["flux", "sd3", "flux2"]
+CPU_DEPTH = {"flux": "random:1", "sd3": "random:2", "flux2": "random:1"}  # the CPU mode's reduced depths
 CUDA_BROKEN = ("CUDA error", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
 
 def two_micro_batches(M):
@@ -80,7 +81,7 @@ def trainer_argv(trainer: str, family: str, ckpt: bool, gpu: bool, out: Path) ->
     """The command line of one run: the trainer's full-scale defaults for `family`, resized as above."""
     module = importlib.import_module(trainer)
     M = module.MODEL_DEFAULTS[family]["micro_batch"] if gpu else 1
-    argv = ["--model", family, "--model-path", "random" if gpu else {"flux": "random:1", "sd3": "random:2"}[family],
+    argv = ["--model", family, "--model-path", "random" if gpu else CPU_DEPTH[family],
             "--eval-every", 0, "--save-every", 0, "--dtype", common.GPU_DTYPES[family],  # on a CPU too
             "--prompts", "pickscore",  # shipped: hpdv2 may not be cached
             "--prompts-per-step", 1, "--micro-batch", M, "--output-dir", out,
@@ -310,22 +311,24 @@ def computed(trainers: list[str]) -> str:
                        if name.startswith("text_encoder") for p in m.parameters())
             frozen = sum(p.numel() * p.element_size() for m in pipe.components.values()
                          if isinstance(m, torch.nn.Module) for p in m.parameters())
+            reference = reference_bytes(pipe.transformer, dtype)  # before a LoRA wraps its linear layers
             trained = common.add_lora(pipe.transformer, d.get("lora_rank", 0), d.get("lora_alpha", 1),
-                                      common.FLUX_LORA_TARGETS if family == "flux" else common.SD3_LORA_TARGETS)
+                                      lora_targets(family, pipe.transformer))
             n = sum(p.numel() for p in trained)
-            state = n * 4 * (4 + bool(d.get("ema")))              # param (fp32 master), grad, 2 moments, EMA
             full = d.get("lora_rank", 0) == 0                      # the transformer is the trained state
+            ema_here = d.get("ema") and (not full or d.get("fsdp"))  # full, unsharded: the EMA in CPU memory
+            state = n * 4 * (4 + bool(ema_here))                   # param (fp32 master), grad, 2 moments, EMA
             frozen -= transformer if full else 0
-            ref = (transformer if d.get("fsdp") else n * 4) if full and d.get("beta", 0) > 0 else 0  # float32 unsharded
+            ref = (transformer if d.get("fsdp") else reference) if full and d.get("beta", 0) > 0 else 0
             gpus = 8 if d.get("fsdp") else 1                       # FSDP2 shards the state over one node's 8
             state, ref = state / gpus, ref / gpus
             gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
             scorers = [name for name, _ in common.parse_reward_spec(d["reward"])]
             reward = sum(scorer_params(name) for name in scorers) * 4
-            cfg = 2 if family == "sd3" and d.get("guidance_scale", 1) > 1 else 1
+            cfg = 2 if family != "flux" and d.get("guidance_scale", 1) > 1 else 1
             rows_grad = d["micro_batch"] * cfg * d.get("mc_pairs", 1)
             config = pipe.transformer.config
-            tokens = (d["resolution"] // 16) ** 2 + (512 if family == "flux" else 77 + 128)
+            tokens = (d["resolution"] // 16) ** 2 + (77 + 128 if family == "sd3" else 512)
             width = config.num_attention_heads * config.attention_head_dim
             blocks = len(common.transformer_blocks(pipe.transformer))
             activations = rows_grad * tokens * width * 2 * (blocks + 16)
@@ -340,13 +343,21 @@ def computed(trainers: list[str]) -> str:
     return markdown(head, rows)
 
 
+def reference_bytes(transformer, dtype) -> int:
+    """A full fine-tune's KL reference without FSDP2: linear weights in the compute dtype, the rest float32."""
+    import torch
+    linear = {id(m.weight) for m in transformer.modules() if type(m) is torch.nn.Linear}
+    return sum(p.numel() * (torch.finfo(dtype).bits // 8 if id(p) in linear else 4) for p in transformer.parameters())
+
+
 def layouts() -> str:
     """Per model, in its GPU dtype, the bytes each layout holds per GPU before activations and reward models: the
     trained state (float32 weights, gradient and AdamW's two moments: 16 bytes a parameter; the LoRA's at the model's
-    full-scale rank), the EMA (4 bytes a parameter, --ema), a KL reference (--beta > 0: under full fine-tuning a frozen
-    copy of the transformer, float32 like the trained weights without --fsdp, sharded in the loaded dtype with it;
-    under LoRA the same network with the adapter off), the frozen weights (the text encoders and VAE, and the
-    transformer under LoRA). FSDP2 shards over 8 GPUs; without it every process holds everything."""
+    full-scale rank), the EMA (4 bytes a parameter, --ema; in CPU memory under full fine-tuning without --fsdp), a KL
+    reference (--beta > 0: under full fine-tuning a frozen copy of the transformer, its linear weights in the compute
+    dtype without --fsdp, sharded in the loaded dtype with it; under LoRA the same network with the adapter off), the
+    frozen weights (the text encoders and VAE, and the transformer under LoRA). FSDP2 shards over 8 GPUs; without it
+    every process holds everything."""
     import torch
 
     import common
@@ -361,19 +372,64 @@ def layouts() -> str:
         loaded = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
         rest = sum(p.numel() * p.element_size() for name, m in pipe.components.items()
                    if isinstance(m, torch.nn.Module) and name != "transformer" for p in m.parameters())
+        reference = reference_bytes(pipe.transformer, dtype)
         lora = sum(p.numel() for p in common.add_lora(pipe.transformer, d["lora_rank"], d["lora_alpha"],
-                                                      common.FLUX_LORA_TARGETS if family == "flux"
-                                                      else common.SD3_LORA_TARGETS))
+                                                      lora_targets(family, pipe.transformer)))
         for layout, trained, gpus, ref in [(f"LoRA r{d['lora_rank']} (DDP)", lora, 1, 0),
-                                           ("full, no --fsdp (DDP)", n, 1, n * 4),
+                                           ("full, no --fsdp (DDP)", n, 1, reference),
                                            ("full, --fsdp over 8", n, 8, loaded)]:
             frozen = rest + (loaded if trained == lora else 0)
-            state, ema, ref = trained * 16 / gpus, trained * 4 / gpus, ref / gpus
-            rows.append([family, common.GPU_DTYPES[family], layout, f"{trained / 1e6:,.0f}M", gib(state), gib(ema),
+            state, ref = trained * 16 / gpus, ref / gpus
+            ema = 0 if "no --fsdp" in layout else trained * 4 / gpus         # full, unsharded: in CPU memory
+            rows.append([family, common.GPU_DTYPES[family], layout, f"{trained / 1e6:,.0f}M", gib(state),
+                         gib(ema) if ema else f"({gib(trained * 4)} in CPU memory)",
                          gib(ref) if ref else "- (adapter off)", gib(frozen),
                          gib(state + frozen), gib(state + ema + ref + frozen)])
     return markdown(["model", "dtype", "layout", "trained parameters", "weights + grad + AdamW", "EMA",
                      "KL reference", "frozen weights", "total, no EMA nor KL", "total, with both"], rows)
+
+
+def one_gpu(family: str = "flux2", trainer: str = "flow_grpo") -> str:
+    """`family` on one GPU in its GPU dtype, as computed() counts (the trainer's defaults: a LoRA; full fine-tuning
+    with --lora-rank 0), at 512 and 1024 px: each layout's bytes per trained parameter and GiB per part, with an EMA
+    and a KL reference (full fine-tuning: the EMA in CPU memory, the reference's linear weights in the compute dtype)
+    and the default reward's scorers in float32, the text encoder on the GPU (or off it: --offload-encoders), and the
+    activations of a training forward under gradient checkpointing (computed's estimate) at the micro-batch given."""
+    import common
+    module = importlib.import_module(trainer)
+    d = vars(common.cli(module.Args, ["--model", family], module.MODEL_DEFAULTS))
+    dtype = common.DTYPES[common.GPU_DTYPES[family]]
+    pipe = common.build_pipeline(family, common.architecture(family), device="meta", dtype=dtype)
+    n, config = sum(p.numel() for p in pipe.transformer.parameters()), pipe.transformer.config
+    loaded = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    text = sum(p.numel() * p.element_size() for name, m in pipe.components.items() if name.startswith("text_encoder")
+               for p in m.parameters())
+    vae = sum(p.numel() * p.element_size() for p in pipe.vae.parameters())
+    reference = reference_bytes(pipe.transformer, dtype)
+    lora = sum(p.numel() for p in common.add_lora(pipe.transformer, d["lora_rank"], d["lora_alpha"],
+                                                  lora_targets(family, pipe.transformer)))
+    reward = sum(scorer_params(name) for name, _ in common.parse_reward_spec(d["reward"])) * 4
+    width, blocks = config.num_attention_heads * config.attention_head_dim, len(common.transformer_blocks(
+        pipe.transformer))
+    gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+    rows = []
+    lora_layout = f"LoRA r{d['lora_rank']}"
+    for layout, px, micro_batch, offload in [(lora_layout, 512, 8, False), (lora_layout, 1024, 8, False),
+                                             ("full", 512, 4, True), ("full", 1024, 2, True)]:
+        full = layout == "full"
+        trained, per = (n, 16 + 2) if full else (lora, 16 + 4)  # + the reference's 2 bytes, or the EMA's 4
+        frozen = vae + (0 if offload else text) + (0 if full else loaded)
+        rows_grad = micro_batch * (2 if d["guidance_scale"] > 1 else 1)
+        activations = rows_grad * ((px // 16) ** 2 + 512) * width * 2 * (blocks + 16)
+        extra = reference if full else trained * 4               # the reference, or the LoRA's EMA
+        total = trained * 16 + extra + frozen + reward + activations
+        parts = "16 + reference 2; EMA 4 in CPU memory" if full else "16 + EMA 4"
+        rows.append([layout, str(px), f"{micro_batch} ({rows_grad} rows)", "off" if offload else "on",
+                     f"{trained / 1e6:,.0f}M", f"{per} ({parts})", gib(trained * 16), gib(extra), gib(frozen),
+                     gib(reward), gib(activations), gib(total)])
+    return markdown(["layout", "px", "micro-batch (CFG rows)", "text encoder on GPU", "trained parameters",
+                     "GPU bytes per trained parameter", "weights + grad + AdamW", "EMA or reference", "frozen weights",
+                     "reward model", "activations, checkpointed (estimate)", "total GiB"], rows)
 
 
 def precision(trainers: list[str], families: list[str]) -> str:
@@ -405,7 +461,7 @@ def main(argv=None):
                                                            "flow_grpo without too on a GPU")
     ap.add_argument("--full", action="store_true", help="every trainer without checkpointing too, and compiled")
     ap.add_argument("--compiled", action="store_true", help="every trainer compiled too, with checkpointing")
-    ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated: flux, sd3")
+    ap.add_argument("--models", default=",".join(FAMILIES), help="comma-separated: flux, sd3, flux2")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated trainers")
     ap.add_argument("--out", default=None, help="output folder (default runs/gpu-check-<time>)")
     ap.add_argument("--cpu", action="store_true", help="the CPU mode even when a GPU is present")
@@ -425,7 +481,8 @@ def main(argv=None):
         print(computed(trainers))
         return None
     if a.layouts:
-        print(layouts())
+        print(f"{layouts()}\n\nFLUX.2-klein 4B on one GPU, flow_grpo's defaults (its LoRA, or --lora-rank 0), an EMA "
+              f"and a KL reference:\n\n{one_gpu()}")
         return None
     if a.precision:
         print(f"Measured {versions()}; the tiny pipelines of tests/helpers.py, one iteration each.\n\n"

@@ -130,6 +130,15 @@ def qwen_tokenizer():
     return tok
 
 
+def lora_targets(family: str, transformer) -> list[str]:
+    """The LoRA targets the `family` adapter gives `transformer` (FLUX.2's name each single block's output), for a
+    transformer without its adapter (built on meta, say)."""
+    import types
+    cls = {"flux": common.FluxAdapter, "sd3": common.SD3Adapter, "flux2": common.Flux2Adapter}[family]
+    targets = cls.__dict__["lora_targets"]
+    return targets.fget(types.SimpleNamespace(transformer=transformer)) if isinstance(targets, property) else targets
+
+
 def tokenizer(family: str = "flux", name: str = "tokenizer"):
     """One of the assets' tokenizers of common.build_pipeline (CLIP's by default)."""
     from transformers import AutoTokenizer

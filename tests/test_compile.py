@@ -67,9 +67,9 @@ def test_compiled_runs_are_on_policy_compile_once_and_resume_bitwise(dtype, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", TRAINERS)
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "flux2"])
 def test_every_trainer_compiled_is_on_policy_in_bf16_and_fp32(trainer, family, tmp_path):
-    """Every trainer on both tiny pipelines, compiled, in float32 and bf16: the first update exactly on-policy, no
+    """Every trainer on the three tiny pipelines, compiled, in float32 and bf16: the first update exactly on-policy, no
     compile after iteration 0."""
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype

@@ -243,8 +243,10 @@ def test_a_failing_reward_is_one_line(toy_run, tmp_path, capsys, monkeypatch):
                                     "bad batch")
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "flux2", "flux2-distilled"])
 def test_a_base_model_without_a_run_takes_the_models_defaults(family, tmp_path, monkeypatch):
+    """The base model's evaluation without a run: the model's resolution, guidance and prompt length, and its steps
+    (a step-distilled FLUX.2-klein's: 4, without CFG)."""
     seen = {}
     real = common.load_model
 
@@ -252,13 +254,17 @@ def test_a_base_model_without_a_run_takes_the_models_defaults(family, tmp_path, 
         adapter = seen["adapter"] = real(*args, **kwargs)
         return adapter
     monkeypatch.setattr(common, "load_model", spy)
-    results = common.evaluate_main(["--model", family, "--model-path", tiny_pipeline(family), "--reward", "jpeg",
-                                    "--images", "1", "--steps", "1", "--threads", "1", "--output",
+    model, distilled = family.removesuffix("-distilled"), family.endswith("-distilled")
+    steps, evaluate = [], common.evaluate
+    monkeypatch.setattr(common, "evaluate", lambda *args, **kwargs: steps.append(args[4]) or evaluate(*args, **kwargs))
+    results = common.evaluate_main(["--model", model, "--model-path", tiny_pipeline(model, *[distilled] * distilled),
+                                    "--reward", "jpeg", "--images", "1", "--threads", "1", "--output",
                                     str(tmp_path / "e")])
     adapter = seen["adapter"]
     assert math.isfinite(results["base"]["eval_jpeg"])
-    assert (adapter.resolution, adapter.guidance_scale, adapter.max_sequence_length) == \
-        {"flux": (512, 3.5, 512), "sd3": (512, 4.5, 128)}[family]
+    assert (adapter.resolution, adapter.guidance_scale, adapter.max_sequence_length, steps) == {
+        "flux": (512, 3.5, 512, [28]), "sd3": (512, 4.5, 128, [40]), "flux2": (512, 4.0, 512, [50]),
+        "flux2-distilled": (512, 1.0, 512, [4])}[family]
 
 
 def signed(run_dir, file: str, **changes) -> bytes:

@@ -15,6 +15,7 @@ import torch
 import common
 import flow_grpo
 import gpu_check
+import helpers
 from helpers import ROOT, run, tiny_configs, tiny_pipeline
 
 CPU = torch.device("cpu")
@@ -58,14 +59,8 @@ def test_flux2_klein_4b_has_the_published_parameter_counts():
 def lora_share(family: str, targets=None) -> float:
     """The share of the weights of the linear layers of the transformer's blocks that a LoRA adapts, on the published
     architecture: the model's adapter's targets, or `targets`."""
-    import types
     transformer = common.build_pipeline(family, common.architecture(family), device="meta").transformer
-    if targets is None:
-        cls = {"flux": common.FluxAdapter, "sd3": common.SD3Adapter, "flux2": common.Flux2Adapter}[family]
-        targets = cls.__dict__["lora_targets"]
-        targets = targets.fget(types.SimpleNamespace(transformer=transformer)) if isinstance(targets, property) else \
-            targets
-    common.add_lora(transformer, 4, 4, targets)
+    common.add_lora(transformer, 4, 4, helpers.lora_targets(family, transformer) if targets is None else targets)
     linears = [m for block in common.transformer_blocks(transformer) for name, m in block.named_modules()
                if isinstance(m, torch.nn.Linear) and "lora_" not in name]        # the model's own, adapted or not
     adapted = {id(m.base_layer) for block in common.transformer_blocks(transformer) for m in block.modules()
@@ -133,12 +128,12 @@ def test_a_bad_random_model_path_stops_before_any_model_loads(tmp_path):
 
 # ---- one iteration at real width: the GPU check's CPU mode ----
 @pytest.mark.slow  # the default suite: the check's report and its computed tables (below)
-@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"), ("sd3", "v_grpo")])
+@pytest.mark.parametrize("family,trainer", [("flux", "flow_grpo"), ("sd3", "v_grpo"), ("flux2", "flow_grpo")])
 def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_path):
-    """The one-command GPU check on CPU: reduced depth, real widths, each model in its full-scale dtype (FLUX bf16, SD3
-    fp16), a --preflight run each, a table of what its one iteration measured; the random-weight PickScore's checks
-    FAIL or WARN, as they should. SD3's case is slow: fp16 matrix products run about 80x slower than float32 on a CPU
-    without fp16 arithmetic (its fast sibling: test_precision, on the tiny SD3 in fp16)."""
+    """The one-command GPU check on CPU: reduced depth, real widths, each model in its full-scale dtype (FLUX, FLUX.2
+    bf16, SD3 fp16), a --preflight run each, a table of what its one iteration measured; the random-weight PickScore's
+    checks FAIL or WARN, as they should. SD3's case is slow: fp16 matrix products run about 80x slower than float32 on
+    a CPU without fp16 arithmetic (its fast sibling: test_precision, on the tiny SD3 in fp16)."""
     out = tmp_path / "check"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--quick", "--models", family,
                            "--trainers", trainer, "--out", str(out)], capture_output=True, text=True, timeout=900,
@@ -148,8 +143,10 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
     assert gpu_check.findings([r]) == [] and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"| {family} | {trainer} | on | off | 64 |" in proc.stdout
     # the counts are the run's: one prompt, a group of 2, 4 sampling steps
-    if trainer == "flow_grpo":   # FLUX: no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
+    if family == "flux":         # no CFG, no KL (beta 0): 2 x 4 sampling rows, 2 x int(0.99 * 4) trained
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (8, 6)
+    elif family == "flux2":      # CFG's 2 rows a sample, and a KL (the LoRA off): 16 sampling + 12 reference rows
+        assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (28, 12)
     else:                        # V-GRPO on SD3 (no CFG at its guidance 1): 2 x 4 sampling rows + 2 x 4 old
         assert (r["nfe_fwd"], r["nfe_fwd_bwd"]) == (16, 8)  # surrogate rows; 2 x 4 (t, eps) pairs with grad
     assert r["s_per_it"] >= r["t_rollout"] + r["t_reward"] + r["t_update"]  # the iteration's clock holds its parts
@@ -162,11 +159,12 @@ def test_gpu_check_cpu_mode_trains_the_real_width_models(family, trainer, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
+@pytest.mark.parametrize("family,dtype", [("flux", None), ("sd3", None), ("flux2", "bf16")])
+def test_every_trainer_trains_a_saved_real_width_pipeline(family, dtype, tmp_path):
     """As a new user would: the reduced-depth real-width pipeline saved with save_pretrained and read back by
-    --model-path (from_pretrained), one iteration of every trainer at 64 px."""
-    pipe = common.build_pipeline(family, common.architecture(family, 1 if family == "flux" else 2))
+    --model-path (from_pretrained), one iteration of every trainer at 64 px, in a CPU's default dtype (float32) or, for
+    FLUX.2-klein (the model a user trains on one GPU), in bf16."""
+    pipe = common.build_pipeline(family, common.architecture(family, int(gpu_check.CPU_DEPTH[family][-1])))
     pipe.save_pretrained(tmp_path / "pipe")
     del pipe
     for trainer in gpu_check.TRAINERS:
@@ -174,6 +172,7 @@ def test_every_trainer_trains_a_saved_real_width_pipeline(family, tmp_path):
         argv = gpu_check.trainer_argv(trainer, family, ckpt=True, gpu=False, out=tmp_path / trainer)
         argv[argv.index("--model-path") + 1] = str(tmp_path / "pipe")
         del argv[argv.index("--dtype"):argv.index("--dtype") + 2]     # a CPU's default, fp32, as a new user runs it
+        argv += ["--dtype", dtype] if dtype else []
         argv += ["--reward", "jpeg", "--iterations", "1"]
         metrics = run(module, argv)
         assert metrics["iteration"] == 1 and math.isfinite(metrics["time_s"])
@@ -324,3 +323,22 @@ def test_computed_memory_table_counts_every_scorer_of_the_default_reward():
                             (("sd3", "v_grpo"), 2 * clip_h + clip_l, "(hpsv2, pickscore, clipscore)"),
                             (("flux", "v_grpo"), 2 * clip_h, "(hpsv2, pickscore)")]:
         assert float(reward[key].split()[0]) == pytest.approx(gib, abs=0.06) and reward[key].endswith(names), key
+
+
+def test_one_gpu_holds_flux2_klein_4b_full_fine_tuning_with_its_ema_and_kl_reference():
+    """gpu_check --layouts' one-GPU table for FLUX.2-klein 4B, from the published sizes: full fine-tuning's 16 bytes a
+    parameter (3.876B), its KL reference in bf16 (2 bytes) and its EMA in CPU memory, the text encoder off the GPU,
+    PickScore's CLIP-H in float32 and the checkpointed activations (16-bit block inputs of 5 + 20 blocks and one block's
+    recompute, 16 x that, of width 3,072) fit an 80 GB GPU's 78 GiB at 512 px (micro-batch 4, CFG: 8 rows) and at 1024
+    px (micro-batch 2); the LoRA holds Qwen3-4B (8.04 GB) and the transformer (7.75 GB) in bf16 besides."""
+    rows = {(r[0].strip("| "), r[1], r[2].split()[0]): r for r in
+            (line.split(" | ") for line in gpu_check.one_gpu().splitlines()[2:])}
+    gib, n = 2**30, 3.876e9
+    for px, micro_batch in [(512, 4), (1024, 2)]:
+        r = rows[("full", str(px), str(micro_batch))]
+        activations = 2 * micro_batch * ((px // 16) ** 2 + 512) * 3072 * 2 * (25 + 16)
+        total = (n * 16 + n * 2 + 84.0e6 * 4 + 986.1e6 * 4 + activations) / gib
+        assert r[5].startswith("18 (") and float(r[-1].strip(" |")) == pytest.approx(total, abs=0.2) and total < 78
+    assert gpu_check.one_gpu() in (ROOT / "README.md").read_text()           # the README's table is this one
+    lora = rows[("LoRA r32", "512", "8")]
+    assert float(lora[8]) == pytest.approx((7.751e9 + 8.045e9 + 84.0e6 * 4) / gib, abs=0.1)  # frozen: bf16, VAE fp32

@@ -206,3 +206,19 @@ def test_a_step_distilled_flux2_takes_its_defaults_from_is_distilled():
     with pytest.raises(common.UsageError, match="is step-distilled .is_distilled., which takes no CFG: pass "
                                                 "--guidance-scale 1"):
         common.load_model("flux2", RT, tiny_pipeline("flux2", True), resolution=32, guidance_scale=4.0)
+
+
+def test_the_shipped_qwen_tokenizer_is_the_one_built_in_code():
+    """assets/architectures/flux2/tokenizer, which FLUX.2's offline pipelines read, is tests/helpers.py's qwen_tokenizer
+    saved: the same ids for text, special tokens and the chat template's output, byte by byte."""
+    from transformers import AutoTokenizer
+
+    import helpers
+    shipped = AutoTokenizer.from_pretrained(common.ARCHITECTURES / "flux2" / "tokenizer")
+    built = helpers.qwen_tokenizer()
+    texts = [t.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False) for t in (shipped, built) for p in [*PROMPTS, "café ☕"]]
+    assert texts[:3] == texts[3:] and texts[0].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids = [t(texts[:3], padding="max_length", max_length=64)["input_ids"] for t in (shipped, built)]
+    assert ids[0] == ids[1] and len(set(ids[0][2])) > 10 and shipped.pad_token == built.pad_token == "<|endoftext|>"
+    assert len(shipped) == len(built) == 256 + 5
