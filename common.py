@@ -2275,15 +2275,15 @@ class Flux2Adapter(PipelineAdapter):
 
     def _encode(self, prompts):
         """The pipeline's encode_prompt with only what it reads: each prompt in Qwen3's chat template (no thinking),
-        padded to max_sequence_length tokens, the hidden states of text_layers side by side. The encoder keeps those
-        three states and one row of logits, where the pipeline keeps all 37 and 512 of 151,936 logits a prompt."""
+        padded to max_sequence_length tokens, the hidden states of text_layers side by side. The causal LM's body keeps
+        those three states and computes no logits, where the pipeline keeps all 37 and 512 x 151,936 logits a prompt."""
         tok, encoder = self.pipe.tokenizer, self.pipe.text_encoder
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False) for p in prompts]
         ids = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
                   max_length=self.max_sequence_length).to(encoder.device)
-        states = encoder(input_ids=ids.input_ids, attention_mask=ids.attention_mask, use_cache=False,
-                         output_hidden_states=self.text_layers, logits_to_keep=1).hidden_states
+        states = encoder.model(input_ids=ids.input_ids, attention_mask=ids.attention_mask, use_cache=False,
+                               output_hidden_states=self.text_layers).hidden_states
         return {"prompt_embeds": torch.cat([states[k] for k in self.text_layers], -1)}  # (B, L, 3 x hidden)
 
     def noise(self, n, generator=None):

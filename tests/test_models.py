@@ -149,18 +149,20 @@ def test_flux2_ode_sampling_reproduces_the_klein_pipeline(distilled):
 
 def test_flux2_text_embeddings_are_the_pipelines_without_the_states_it_drops():
     """The adapter encodes as the pipeline's encode_prompt (the chat template without thinking, 512 tokens, the hidden
-    states after layers 9, 18 and 27 side by side), to the bit; the text encoder then keeps those three states and one
-    row of logits, where the pipeline's call keeps every layer's and every token's (FLUX.2-klein 4B, 48 prompts in bf16:
-    4.7 GB of hidden states and 7.5 GB of logits)."""
+    states after layers 9, 18 and 27 side by side), to the bit; the text encoder's body then keeps those three states
+    and no logits are computed, where the pipeline's call keeps every layer's state and every token's logits
+    (FLUX.2-klein 4B, 48 prompts in bf16: 4.7 GB of hidden states and 7.5 GB of logits)."""
     adapter = common.load_model("flux2", RT, tiny_pipeline("flux2"), resolution=32)
-    outputs = []
-    adapter.pipe.text_encoder.register_forward_hook(lambda module, args, out: outputs.append(out))
+    states, logits = [], []
+    adapter.pipe.text_encoder.model.register_forward_hook(lambda module, args, out: states.append(out.hidden_states))
+    adapter.pipe.text_encoder.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.shape))
     ours = adapter.encode(PROMPTS)["prompt_embeds"]              # the negative first (CFG), then the prompts
+    assert len(states) == 2 and not logits
     theirs, text_ids = adapter.pipe.encode_prompt(PROMPTS, device=RT.device)
     assert torch.equal(ours, theirs) and ours.shape == (2, 512, 3 * 16) and torch.equal(adapter.txt_ids, text_ids[0])
-    (_, kept, full), layers = outputs, adapter.pipe.text_encoder.config.num_hidden_layers
-    assert [k for k, h in enumerate(kept.hidden_states) if h is not None] == [9, 18, 27] and kept.logits.shape[1] == 1
-    assert len(full.hidden_states) == layers + 1 and full.logits.shape[1] == 512
+    (_, kept, full), layers = states, adapter.pipe.text_encoder.config.num_hidden_layers
+    assert [k for k, h in enumerate(kept) if h is not None] == [9, 18, 27]
+    assert len(full) == layers + 1 and None not in full and logits == [(2, 512, adapter.pipe.text_encoder.vocab_size)]
 
 
 @pytest.mark.parametrize("resolution", [256, 512, 1024, 2048])
