@@ -115,15 +115,20 @@ def test_model_tables_hold_only_what_differs(name):
         assert line.count('": ') <= 1, f"{name}: one key per line in MODEL_DEFAULTS: {line.strip()}"
 
 
-def test_the_trainers_test_file_takes_its_trainer_from_its_own_name():
-    """tests/test_flow_grpo.py, which a fork copies as tests/test_<module>.py (README, Fork a method), names its trainer
-    nowhere in its code: TRAINER is its file's name less test_, so a copy under any name needs no edit, and its lines
-    keep their length (the lint's 120)."""
+@pytest.mark.parametrize("trainer", helpers.TRAINERS)
+def test_the_trainers_test_file_takes_its_trainer_from_its_own_name(trainer):
+    """Each trainer's tests/test_<trainer>.py, which a fork copies as tests/test_<module>.py (README, Fork a method),
+    names its trainer nowhere in its code but its docstring: TRAINER is its file's name less test_, so a copy under any
+    name needs no edit and tests the copy (tests/test_fork.py copies all four)."""
     import io
     import tokenize
-    text = (ROOT / "tests" / "test_flow_grpo.py").read_text()
+    path = ROOT / "tests" / f"test_{trainer}.py"
+    if not path.exists():
+        pytest.skip(f"{trainer} has no test file of its own")
+    text = path.read_text()
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type in (tokenize.NAME,
                                                                                              tokenize.STRING)]
-    assert tokens[0].type == tokenize.STRING and "flow_grpo" in tokens[0].string           # the docstring says so
-    assert not [t.string for t in tokens[1:] if "flow_grpo" in t.string]
+    assert tokens[0].type == tokenize.STRING and trainer in tokens[0].string             # the docstring says so
+    named = [f"line {t.start[0]}: {t.string}" for t in tokens[1:] if trainer in t.string]
+    assert not named, f"tests/test_{trainer}.py names its trainer: a copy of it would test {trainer}, not the copy"
     assert 'TRAINER = Path(__file__).stem.removeprefix("test_")' in text

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import common
-from helpers import (ROOT, SMALL, SMALL_SIZES, TRAINERS, read_metrics, run, small, torchrun, torchrun_cmd,
+from helpers import (ROOT, SMALL, SMALL_SIZES, TRAINERS, own, read_metrics, run, small, torchrun, torchrun_cmd,
                      trained_params, without_timings)
 
-FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
 
 
 def signal_in(phase: str, iteration: int, monkeypatch) -> list:
@@ -47,7 +46,7 @@ def signal_in(phase: str, iteration: int, monkeypatch) -> list:
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_signal_saves_the_iteration_it_can_and_resumes_bitwise(trainer, phase, tmp_path, monkeypatch):
     module = importlib.import_module(trainer)
-    argv = ["--model", "toy", *SMALL, *FITS_SMALL.get(trainer, []), "--eval-every", "0", "--seed", "3"]
+    argv = ["--model", "toy", *SMALL, *own(trainer, "FITS_SMALL"), "--eval-every", "0", "--seed", "3"]
     r = tmp_path / "r"
     after = signal_in(phase, 1, monkeypatch)
     with pytest.raises(SystemExit) as stop:
