@@ -2,8 +2,9 @@
 the README's recipe (its shared blocks are held verbatim by tests/test_shared_code.py): a method the machinery has never
 seen (ODE rollouts, no ratio, no KL, an old policy of its own) that common.py serves unchanged: --preflight passes with
 the rows it cannot fill n/a, --resume continues it bitwise with its old policy, it runs with --gradient-checkpointing,
---compile and --fsdp, and it learns on the toy. Then forks across versions (tests/fix_copies.py on two forks kept
-frozen), and a method that changes only flow_grpo.py's loss."""
+--compile and --fsdp, and it learns on the toy. Then the recipe itself, from each of the four trainers: a copy and its
+copied tests under another name, unchanged, test the copy and pass, lint included. Then forks across versions
+(tests/fix_copies.py on two forks kept frozen), and a method that changes only flow_grpo.py's loss."""
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from helpers import (ROOT, SMALL, free_port, read_metrics, run, small, straight_
                      trained_params, training_state, without_timings)
 
 BASE = (ROOT / "flow_grpo.py").read_text()
+README = (ROOT / "README.md").read_text()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -209,6 +211,59 @@ def test_the_template_raises_the_toy_held_out_reward(tmp_path):
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
     assert last["eval_reward"] - first["eval_reward"] > 0.06, (first, last)
     assert last["eval_accuracy"] - first["eval_accuracy"] > 0.12, (first, last)
+
+
+# ---- the recipe from each trainer: a copy and its copied tests, unchanged, under another name ----
+COPIES = {"flow_grpo": "my_flow_fork", "pro_grpo": "pruned2", "g2rpo": "x_g2", "v_grpo": "method_four"}
+# Each copied file's quickest tests: a run on the toy, a method function, a refused flag (the tiny pipelines' sizes)
+QUICK = "(two_iterations_run_with_finite_loss and toy) or closed_set or ovf_matches_brute_force or bad_funnel or " \
+        "continuation_grid_matches or bad_input or surrogate_matches or bad_pair_settings"
+
+
+def copied_checkout(tmp_path):
+    """A checkout holding common.py, the assets and, of each trainer, only a copy under another name and its test file
+    copied as tests/test_<copy>.py, both unchanged: a copied test that imported its original would fail to import."""
+    root = tmp_path / "checkout"
+    (root / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "common.py", root)
+    (root / "assets").symlink_to(ROOT / "assets")
+    for name in ("conftest.py", "helpers.py"):
+        shutil.copy(ROOT / "tests" / name, root / "tests")
+    for trainer, copy in COPIES.items():
+        shutil.copy(ROOT / f"{trainer}.py", root / f"{copy}.py")
+        shutil.copy(ROOT / "tests" / f"test_{trainer}.py", root / "tests" / f"test_{copy}.py")
+    return root
+
+
+def lint(root, files) -> subprocess.CompletedProcess:
+    """The README's lint line over `files`."""
+    line = re.search(r"`(ruff check [^`]*) \.`", README)
+    assert line, "README.md names no lint line (`ruff check ... .`)"
+    if shutil.which("ruff") is None:
+        pytest.skip("ruff is not installed (pip install ruff)")
+    return subprocess.run([*line.group(1).split(), *files], cwd=root, capture_output=True, text=True)
+
+
+def test_each_trainer_forks_by_the_recipe_its_copied_tests_testing_the_copy(tmp_path):
+    """Quick tests of each copied test file (every file collected), then the README's lint over the copies."""
+    root = copied_checkout(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests", "-k", QUICK],
+                         cwd=root, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
+    for copy in COPIES.values():                             # each copied file ran two of its tests or more
+        passed = re.findall(rf"^tests/test_{copy}\.py::.* PASSED", out.stdout, flags=re.M)
+        assert len(passed) >= 2, out.stdout[-3000:]
+    files = [f"{c}.py" for c in COPIES.values()] + [f"tests/test_{c}.py" for c in COPIES.values()]
+    linted = lint(root, files)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+@pytest.mark.slow  # every copied test file whole (the slow ones left out): many minutes
+def test_each_trainer_forks_by_the_recipe_whole_test_files(tmp_path):
+    root = copied_checkout(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=root,
+                         env=ENV, capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
 
 
 # ---- forks across versions: tests/fix_copies.py ----
