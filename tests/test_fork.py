@@ -161,6 +161,7 @@ FSDP = ["--prompts-per-step", "4", "--group-size", "4", "--micro-batch", "2", "-
         "8", "--eval-steps", "4", "--eval-every", "1", "--threads", "1", "--reward", "toy-soft", "--fsdp"]
 
 
+@pytest.mark.slow  # 2 processes, 20 s; the default suite: test_fsdp.py's FSDP2 resume, the template's other runs
 def test_the_template_runs_sharded_with_fsdp(tmp_path):
     """Full fine-tuning sharded over 2 processes: the old policy a soft copy of the local shards, in the checkpoint."""
     stdout = torchrun_template([*FSDP, "--iterations", "2", "--output-dir", str(tmp_path / "r")])
@@ -171,7 +172,7 @@ def test_the_template_runs_sharded_with_fsdp(tmp_path):
     assert len(state["extra"]["old_policy"]) == len(state["params"])
 
 
-@pytest.mark.slow  # three 2-process runs; the default suite: the sharded run above
+@pytest.mark.slow  # three 2-process runs; the default suite: as the sharded run above
 def test_the_template_sharded_resumes_bitwise(tmp_path):
     torchrun_template([*FSDP, "--iterations", "2", "--output-dir", str(tmp_path / "straight")])
     torchrun_template([*FSDP, "--iterations", "1", "--output-dir", str(tmp_path / "split")])
@@ -203,14 +204,15 @@ def test_the_nft_loss_pulls_towards_good_samples_and_pushes_from_bad_ones():
 
 @pytest.mark.slow  # about a minute on 2 cores; the default suite: the loss's direction above
 def test_the_template_raises_the_toy_held_out_reward(tmp_path):
-    """15 iterations at its toy defaults and flow_grpo's learning test's sizes. Calibration (seeds 0-2, 30 iterations
-    at seeds 0 and 1): held-out reward +0.10 to +0.135, accuracy +0.20 to +0.265."""
-    run(likelihood_free, ["--iterations", "15", "--eval-every", "15", "--prompts-per-step", "8", "--group-size", "8",
+    """30 iterations at its toy defaults and flow_grpo's learning test's sizes (200 fixed-seed images: standard errors
+    about 0.02 and 0.035). Calibration on 2 cores, seeds 0 and 1: held-out reward +0.128 and +0.115, strict accuracy
+    +0.255 and +0.23 (at 15 iterations seed 0 gained +0.048, seed 2 +0.135)."""
+    run(likelihood_free, ["--iterations", "30", "--eval-every", "30", "--prompts-per-step", "8", "--group-size", "8",
                           "--micro-batch", "16", "--sample-steps", "6", "--eval-images", "200", "--eval-steps", "10",
                           "--threads", "1", "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
-    assert last["eval_reward"] - first["eval_reward"] > 0.06, (first, last)
-    assert last["eval_accuracy"] - first["eval_accuracy"] > 0.12, (first, last)
+    assert last["eval_reward"] - first["eval_reward"] > 0.08, (first, last)
+    assert last["eval_accuracy"] - first["eval_accuracy"] > 0.15, (first, last)
 
 
 # ---- the recipe from each trainer: a copy and its copied tests, unchanged, under another name ----
