@@ -132,7 +132,7 @@ def test_the_fields_common_reads_are_shared_or_named_in_the_shared_block():
         assert named <= fields, f"{name}: common.py reads {sorted(named - fields)}, which its Args lacks"
 
 
-@pytest.mark.parametrize("name", TRAINERS)
+@pytest.mark.parametrize("name", [*TRAINERS, "tests/likelihood_free.py"])
 def test_trainer_is_self_contained_and_short(name):
     text = (ROOT / name).read_text()
     assert len(text.splitlines()) < 1000
