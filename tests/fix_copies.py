@@ -11,7 +11,7 @@ out of a block that binds a name your code still reads is kept, after the block;
 name it uses defined, bound before main() reads it, or nothing is written and the line says what to copy by hand.
 Every named file is checked before any is written; each is written to a temporary file renamed over it, and "updated"
 is printed after that. Exit status: 0 done (or up to date), 1 `--check` found a stale file, 2 refused (nothing
-written).
+written) or a write failed (that file as it was).
 
   python tests/fix_copies.py my_method.py            # bring the shared blocks up to date
   python tests/fix_copies.py --check my_method.py    # write nothing; exit status 1 if a file would change
@@ -178,7 +178,7 @@ def events(stmts: list, out: list | None = None) -> list[tuple[str, str, int]]:
     defined (read when it runs)."""
     out = [] if out is None else out
     for s in stmts:
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             heads = [*s.decorator_list, *getattr(s, "bases", []), *[k.value for k in getattr(s, "keywords", [])]]
             if not isinstance(s, ast.ClassDef):
                 heads += [*s.args.defaults, *filter(None, s.args.kw_defaults)]
@@ -271,11 +271,6 @@ class Method:
                 out.append(n)
         return out
 
-    def bound_outside(self) -> set[str]:
-        """The names main() binds outside every shared block, its parameters too."""
-        spans = self.lines.values()
-        return self.params | {n for kind, n, line in self.events if kind == "store" and
-                              not any(a <= line <= b for a, b in spans)}
 
 
 def required_binds(base: str) -> set[str]:
@@ -498,13 +493,13 @@ class Fix:
         region = body[i:i + n]
         first, last = region[0].lineno, region[-1].end_lineno
         pad, base_pad = indent_of(self.text, first), indent_of(self.base, theirs[0].lineno)
-        replaced = [ln.strip() for s, t in zip(region, theirs) if ast.dump(s) != ast.dump(t)
+        replaced = [f"- {ln.strip()}" for s, t in zip(region, theirs) if ast.dump(s) != ast.dump(t)
                     for ln in source(self.text, s).splitlines()]
         lines = self.text.split("\n")
         block = f"{pad}# >>> shared: {b}\n" + reindent(self.theirs[b], base_pad, pad) + f"{pad}# <<< shared: {b}"
         self.text = "\n".join(lines[:first - 1] + [block] + lines[last:])
         self.said.append((f"{self.name}: {{restored}} the shared block '{b}' over lines {first}-{last}, which start "
-                          f"as it does" + (" (these lines of yours differ from it and are gone)" if replaced else ""),
+                          f"as it does" + (", these of yours, which differ from it, out:" if replaced else ""),
                           replaced))
 
     def rewrite(self):
@@ -521,7 +516,7 @@ class Fix:
             within = "".join(f", and '{c}' within it" for c in inner if ours[b][0] < ours[c][0] < ours[b][1])
             came, went = sum(ln not in old for ln in new), sum(ln not in new for ln in old)
             self.said.append((f"{self.name}: {{updated}} the shared block '{b}'{within} ({came} line(s) in, {went} "
-                              f"out)" + (": out went" if out else ""), [f"- {ln}" for ln in out]))
+                              f"out)" + (", these out:" if out else ""), [f"- {ln}" for ln in out]))
         for b in sorted(outer, key=lambda b: -ours[b][0]):  # from the end: the positions before it hold
             self.text = self.text[:ours[b][0]] + self.theirs[b] + self.text[ours[b][1]:]
 

@@ -176,7 +176,7 @@ def test_check_writes_nothing_and_says_so(tmp_path, capsys):
     fork.write_text(STALE)
     assert fix_copies.main(["--check", str(fork)]) == 1 and fork.read_text() == STALE
     assert capsys.readouterr().out.splitlines() == [
-        "g2rpo.py: would update the shared block 'log' (1 line(s) in, 1 out): out went",
+        "g2rpo.py: would update the shared block 'log' (1 line(s) in, 1 out), these out:",
         "    - **loop.work(), \"stale\": 1,                                   # the iteration's work: nfe_fwd, "
         "reward_calls, ...", "tests/fix_copies.py --check: nothing was written"]
 

@@ -287,7 +287,7 @@ def test_a_fork_of_an_earlier_version_runs_after_fix_copies_with_no_hand_edit(tm
     assert capsys.readouterr().out.splitlines()[-1] == "tests/fix_copies.py --check: nothing was written"
     assert fix_copies.main([str(path)]) == 0
     said = capsys.readouterr().out.splitlines()
-    assert "my_method.py: updated the shared block 'setup-train' (3 line(s) in, 2 out): out went" in said
+    assert "my_method.py: updated the shared block 'setup-train' (3 line(s) in, 2 out), these out:" in said
     assert "my_method.py: kept `W = rt.world_size` after the shared block 'validate': the block no longer binds W, " \
            "which main() reads" in said
     assert any(line.startswith("my_method.py: added `policy_step = step` after line ") for line in said)
@@ -346,7 +346,7 @@ def test_fix_copies_keeps_what_a_trainer_dropped(tmp_path, capsys):
     stale.write_text(g2rpo.replace("**loop.work(),", "**loop.work(), \"stale\": 1,"))
     assert fix_copies.main([str(stale)]) == 0 and stale.read_text() == g2rpo
     assert capsys.readouterr().out.splitlines() == [
-        "g2rpo.py: updated the shared block 'log' (1 line(s) in, 1 out): out went",
+        "g2rpo.py: updated the shared block 'log' (1 line(s) in, 1 out), these out:",
         "    - **loop.work(), \"stale\": 1,                                   # the iteration's work: nfe_fwd, "
         "reward_calls, ..."]
 
