@@ -80,11 +80,12 @@ SMOKE = {
 _PIPELINES = {}
 
 
-def own(trainer: str, table: str, default=()):
-    """A table of the trainer's own test file, tests/test_<trainer>.py (`default` without the file or the table):
-    what a method needs on top of the tests' sizes (FITS_SMOKE over SMOKE, FITS_SMALL over SMALL) and the start-up
-    rows of its flags travel with its test file, so a fork's copy of it brings them."""
+def own(trainer: str, table: str, default=None):
+    """A table of the trainer's own test file, tests/test_<trainer>.py (`default`, else [], without the file or the
+    table): what a method needs on top of the tests' sizes (FITS_SMOKE over SMOKE, FITS_SMALL over SMALL) and the
+    start-up rows of its flags travel with its test file, so a fork's copy of it brings them."""
     import importlib
+    default = [] if default is None else default
     try:
         module = importlib.import_module(f"test_{trainer}")
     except ModuleNotFoundError as e:
