@@ -256,6 +256,7 @@ class EMA:
     of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`; with `warmup`, the official GRPO trainers' schedule,
     d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False).
     `offload`: the average in CPU memory (full fine-tuning on one GPU: FLUX.2-klein 4B's takes 15.5 GB)."""
+    swapped = 0  # copies swapped in now, of any EMA: a signal waits until none is (TrainingLoop.stop_if_signalled)
 
     def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True, offload: bool = False):
         self.params, self.decay, self.every, self.warmup, self.offload = list(params), decay, every, warmup, offload
@@ -273,18 +274,18 @@ class EMA:
             s.lerp_(p.detach().to(s.device), 1 - d)
 
     @contextlib.contextmanager
+    @torch.no_grad()
     def swapped_in(self):
-        """Temporarily puts the averaged weights into the model (for evaluation and checkpoints)."""
-        backup = [self.copy(p) for p in self.params]
-        with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
-                p.copy_(s)
+        """Temporarily puts the averaged weights into the model (evaluation, checkpoints, a method's old policy)."""
+        backup, EMA.swapped = [self.copy(p) for p in self.params], EMA.swapped + 1
+        for p, s in zip(self.params, self.shadow):
+            p.copy_(s)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, b in zip(self.params, backup):
-                    p.copy_(b)
+            for p, b in zip(self.params, backup):
+                p.copy_(b)
+            EMA.swapped -= 1
 
 
 # ---- 3. Rewards: a scorer maps (images (N, 3, H, W) in [0, 1], prompts, metadata) to (N,) float32 scores; metadata
@@ -362,9 +363,8 @@ def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> l
 def make_generator(*keys: int) -> torch.Generator:
     """A CPU generator seeded from integers (seed, rank, iteration, ...), so a resumed run repeats the same draws."""
     # The key count goes in too: SeedSequence alone treats (a, b) and (a, b, 0) as the same entropy.
-    g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0] >> 1))
-    return g
+    state = np.random.SeedSequence([*keys, len(keys)]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state >> 1))
 
 
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
@@ -920,8 +920,8 @@ class TrainingLoop:
 
     def stop_if_signalled(self, it: int):
         """After SIGTERM / SIGINT on any rank: checkpoint the state at the start of iteration `it` (none before the
-        run's first optimizer step) and stop; once the iteration has stepped, nothing (its end checks again)."""
-        signum = 0 if self.dirty else signalled(self.rt.device)
+        run's first optimizer step) and stop; once the iteration has stepped, or in EMA.swapped_in, not yet."""
+        signum = 0 if self.dirty or EMA.swapped else signalled(self.rt.device)
         if not signum:
             return
         name, code = signal.Signals(signum).name, 128 + signum

@@ -7,7 +7,7 @@ blocks marked `# >>> shared: NAME` are theirs too (README, Fork a method).
 
 Simplifications / readings (vs the paper and the official code), each detailed where it is implemented:
   1. group_advantages: a population std (np.std, as the official code), of all the iteration's rewards or the group's.
-  2. ref_mean: the KL is the exact one between the two step Gaussians, element-averaged (the official code's differs
+  2. ref_mu: the KL is the exact one between the two step Gaussians, element-averaged (the official code's differs
      by a factor per step, so SD3's beta is scaled down).
   3. The update shuffles whole rollout micro-batches, so the first update is bitwise on-policy (ratio 1).
   4. Samples with zero advantage are kept (the SD3 scripts drop them; their loss is zero anyway).
@@ -25,7 +25,7 @@ Run:
 Tags such as [Flow-GRPO Eq. 9] cite equations where they were checked (arXiv v5), else the part of the paper.
 Notation: t_k = sigmas[k] (t = 1 is noise); z_k = latents[:, k]; a = noise_level; l = log_prob; rho = ratio;
 A = advantages; beta = KL weight; G = group_size; B = prompts per rank; T = sample_steps; N = samples per rank;
-mb = micro_batch; k0 = the first step of a rollout micro-batch's SDE window.
+mb = micro_batch; W = sde_window, k0 = the first step of a micro-batch's window; mu = a step's mean (mean: an average).
 """
 from __future__ import annotations
 
@@ -247,10 +247,10 @@ def sde_window(spec: str | None, W: int, T: int) -> tuple[int, int]:
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
+    # reads nothing; defines rt
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
-    W = rt.world_size
     # <<< shared: validate
-    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
+    B, G = args.prompts_per_step // rt.world_size, args.group_size  # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
     mb = args.micro_batch
     per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
@@ -269,11 +269,12 @@ def main(args: Args) -> dict:
                                 f"--timestep-fraction {args.timestep_fraction} below 1, or pass --sde-window")
     window = f", SDE window {args.sde_window} starting in {list(range(starts[0], starts[1] + 1))}" \
         if args.sde_window else ""
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} ({N // mb} "
-                  f"per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}"
-                  f"{window} | {args.sde_type} step")
+    common.print0(f"ranks {rt.world_size} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} "
+                  f"({N // mb} per rollout) | updates/iteration {args.updates_per_rollout} | steps T={T}, trained "
+                  f"{T_train}{window} | {args.sde_type} step")
 
     # >>> shared: setup-run
+    # reads nothing; defines train_prompts, eval_prompts, reward_terms, run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     if args.preflight:                                       # every check above passed: one iteration, checked (README)
@@ -281,6 +282,7 @@ def main(args: Args) -> dict:
     run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
+    # reads nothing; defines reward_fn, adapter, transformer, params
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
@@ -293,6 +295,7 @@ def main(args: Args) -> dict:
     lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    # reads ref; defines params, optimizer, ema, net, guard
     if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
         params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
@@ -306,24 +309,25 @@ def main(args: Args) -> dict:
     loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn, guard)
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
-    # the policy's noisy step from t to s, (next_x, log_prob, mean, std), and its (mean, std) alone
+    # the policy's noisy step from t to s, (next_x, log_prob, mu, std), and its (mu, std) alone
     if cps:                                                  # [CPS] std = s sin(a pi / 2), log-prob: reading 7
-        step = functools.partial(common.cps_step, noise_level=args.noise_level)
-        step_mean_std = functools.partial(common.cps_mean_std, noise_level=args.noise_level)
+        policy_step = functools.partial(common.cps_step, noise_level=args.noise_level)
+        policy_mean_std = functools.partial(common.cps_mean_std, noise_level=args.noise_level)
     else:                                                    # [Flow-GRPO Eq. 9]
-        step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)
-        step_mean_std = functools.partial(common.sde_mean_std, noise_level=args.noise_level, t_cap=t_cap)
+        policy_step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)
+        policy_mean_std = functools.partial(common.sde_mean_std, noise_level=args.noise_level, t_cap=t_cap)
 
-    def ref_mean(x, t, s, cond):
-        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy. Reading 2: the KL of
-        the update is the exact one between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
+    def ref_mu(x, t, s, cond):
+        """The step's mu under the reference policy (no grad): LoRA switched off, or the frozen copy. Reading 2: the KL
+        of the update is the exact one between the two step Gaussians [Flow-GRPO §4, closed-form KL], element-averaged
         like the log-prob, mean (mu - mu_ref)^2 / (2 std^2) with std = g sqrt(h); the official code divides by 2 g^2
         (no h), which only rescales beta per step (SD3's beta default is scaled down accordingly)."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
-        return step_mean_std(x, v, t, s)[0]
+        return policy_mean_std(x, v, t, s)[0]
 
     # >>> shared: loop
+    # reads loop; defines it, metrics
     for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
         if metrics is None:
@@ -332,6 +336,7 @@ def main(args: Args) -> dict:
 
         # ---- 3a. Rollout: SDE sampling with the current policy (theta_old = theta), no grad [Flow-GRPO Eq. 9] ----
         # >>> shared: iteration-start
+        # reads B; defines tic, gen, batch, records, texts
         tic = time.time()
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
@@ -356,7 +361,7 @@ def main(args: Args) -> dict:
                     if k == k0:
                         zs.append(z)
                     if k in sde_steps:                       # [Flow-GRPO Eq. 9] or [CPS]: its sample and log-prob
-                        z, lp, _, _ = step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
+                        z, lp, _, _ = policy_step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
                         zs.append(z)
                         lps.append(lp)
                     else:                                    # [Flow-GRPO-Fast] outside the window: the exact ODE
@@ -379,6 +384,9 @@ def main(args: Args) -> dict:
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         # >>> shared: update
+        # reads N, mb, loop, per_update, cond, advantages, trained, latents, sigmas, policy_step, ref_mu, log_probs;
+        #   defines tic, order, stats, u, n_step, minibatch, m, idx, c, A, j, k, sync, z, z_next, v, lp, mu, std_k, kl,
+        #   loss, logged, stepped, grad_norm, t_update
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // mb, generator=gen)       # shuffle whole micro-batches: the first is on-policy
@@ -394,13 +402,14 @@ def main(args: Args) -> dict:
                     z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
-                        _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
-                        kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                        _, lp, mu, std_k = policy_step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
+                        kl = common.gaussian_kl(mu, ref_mu(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(lp)
                         loss, logged = step_loss(lp, log_probs[idx, j], A, kl, sigmas[k], sigmas[k + 1], args)
                         guard.backward(loss / (len(minibatch) * len(trained[m])))  # one step's activations alive
                     stats.add(**logged)
             # >>> shared: step
+            # reads stats, n_step; defines stepped, grad_norm
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
@@ -412,6 +421,7 @@ def main(args: Args) -> dict:
         # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         # >>> shared: log
+        # reads stats, rewards, parts, zero_std, t_rollout, t_reward, t_update, loop; defines nothing
         metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
@@ -423,6 +433,7 @@ def main(args: Args) -> dict:
         })
         # <<< shared: log
         # >>> shared: ratio-log
+        # reads stats; defines nothing
         metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
                        clip_frac_first_update=stats.mean("clip_frac", step=0),  # the first optimizer step is
                        kl_first_update=stats.max("kl", step=0))                 # exactly on-policy
@@ -432,6 +443,7 @@ def main(args: Args) -> dict:
         # <<< shared: ratio-log
 
         # >>> shared: loop-end
+        # reads loop; defines nothing
         # ---- 3e. Log the line, checkpoint every --save-every iterations ----
         loop.end(metrics)
     return loop.finish()                                     # the final checkpoint

@@ -214,15 +214,15 @@ def singular_sde_step(z, v, t, s, group_size: int, noise_level: float, t_cap: fl
     """[G2RPO, Singular Stochastic Sampling] G branches from one shared latent per prompt: the SDE step
     [Flow-GRPO Eq. 9] from z_k with the same v_theta(z_k) for every branch, so the branches differ only by their
     noise. z, v: (P, ...); next_x (P, G, ...) is scored if given (training), else drawn with `generator`.
-    Returns next latents (P, G, ...), log-probs (P, G), the branches' shared mean (P, ...) and the std. Reading 4:
+    Returns next latents (P, G, ...), log-probs (P, G), the branches' shared mu (P, ...) and the std. Reading 4:
     the anchor has evaluated v_theta(z_k) already, so branching costs no transformer evaluation (the official
     rollout runs the same batch-1 forward G times); the update likewise runs one forward per prompt."""
-    nxt, log_prob, mean, std = common.sde_step(
+    nxt, log_prob, mu, std = common.sde_step(
         repeat(z, "p ... -> (p g) ...", g=group_size), repeat(v, "p ... -> (p g) ...", g=group_size), t, s,
         noise_level, t_cap, next_x=None if next_x is None else rearrange(next_x, "p g ... -> (p g) ..."),
         generator=generator)
     return (rearrange(nxt, "(p g) ... -> p g ...", g=group_size), rearrange(log_prob, "(p g) -> p g", g=group_size),
-            rearrange(mean, "(p g) ... -> p g ...", g=group_size)[:, 0], std)
+            rearrange(mu, "(p g) ... -> p g ...", g=group_size)[:, 0], std)
 
 
 def continue_ode(velocity, z: torch.Tensor, cond: dict, k: int, sigmas: torch.Tensor, strides: list[int]):
@@ -268,10 +268,10 @@ def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
+    # reads nothing; defines rt
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
-    W = rt.world_size
     # <<< shared: validate
-    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
+    B, G = args.prompts_per_step // rt.world_size, args.group_size  # prompts per rank, group size
     mb = args.micro_batch
     T = args.sample_steps
     n_sde = T // 2 if args.sde_steps is None else args.sde_steps  # |M|: steps 0..n_sde-1 branch and train (reading
@@ -281,10 +281,12 @@ def main(args: Args) -> dict:
     strides = parse_granularities(args.granularities)
     L = len(strides)
     micro_batches = [slice(i, min(i + mb, B)) for i in range(0, B, mb)]  # prompt rows per forward, rollout and update
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | steps T={T}, branched M=0..{n_sde - 1} | strides "
-                  f"{strides} | images/rank {B * n_sde * G * L} | micro-batch {mb} | optimizer steps/iteration {n_sde}")
+    common.print0(f"ranks {rt.world_size} | prompts/rank B={B} | group G={G} | steps T={T}, branched M=0..{n_sde - 1} "
+                  f"| strides {strides} | images/rank {B * n_sde * G * L} | micro-batch {mb} | optimizer "
+                  f"steps/iteration {n_sde}")
 
     # >>> shared: setup-run
+    # reads nothing; defines train_prompts, eval_prompts, reward_terms, run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     if args.preflight:                                       # every check above passed: one iteration, checked (README)
@@ -292,6 +294,7 @@ def main(args: Args) -> dict:
     run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
+    # reads nothing; defines reward_fn, adapter, transformer, params
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
@@ -304,6 +307,7 @@ def main(args: Args) -> dict:
     lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    # reads ref; defines params, optimizer, ema, net, guard
     if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
         params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
@@ -318,8 +322,8 @@ def main(args: Args) -> dict:
     sigmas = common.uniform_sigmas(T, args.grid_shift)       # (T+1,) t_0 = 1 ... t_T = 0 (reading 6)
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
 
-    def ref_mean(x, t, s, cond):
-        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
+    def ref_mu(x, t, s, cond):
+        """The step's mu under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
@@ -330,6 +334,7 @@ def main(args: Args) -> dict:
                           for r in range(0, len(x), mb)])
 
     # >>> shared: loop
+    # reads loop; defines it, metrics
     for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
         if metrics is None:
@@ -338,6 +343,7 @@ def main(args: Args) -> dict:
 
         # ---- 3a. Rollout: ODE anchor, singular SDE branches, multi-granularity ODE continuations (no grad) ----
         # >>> shared: iteration-start
+        # reads B; defines tic, gen, batch, records, texts
         tic = time.time()
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
@@ -418,7 +424,7 @@ def main(args: Args) -> dict:
                     ratio = torch.exp(lp - log_probs[rows, k])                           # (P, G)
                     # [Flow-GRPO Eq. 5] the clipped objective on step k only, no KL by default [G2RPO, objective]
                     pg = clipped_objective(ratio, A, args.clip_range)
-                    kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                    kl = common.gaussian_kl(mu, ref_mu(z, sigmas[k], sigmas[k + 1], c), std_k) \
                         if args.beta > 0 else torch.zeros(P, device=pg.device)
                     loss = pg.mean() + args.beta * kl.mean()
                     guard.backward(loss * P / B)             # the step's loss: mean over all the rank's branches
@@ -426,6 +432,7 @@ def main(args: Args) -> dict:
                           clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                           approx_kl=0.5 * ((lp - log_probs[rows, k]) ** 2).mean())
             # >>> shared: step
+            # reads stats, n_step; defines stepped, grad_norm
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
@@ -436,6 +443,7 @@ def main(args: Args) -> dict:
         # ---- 3d. Metrics ----
         zero_std = torch.stack([(r.std(2) < 1e-6).float().mean() for r in parts.values()]).mean()
         # >>> shared: log
+        # reads stats, rewards, parts, zero_std, t_rollout, t_reward, t_update, loop; defines nothing
         metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
@@ -447,6 +455,7 @@ def main(args: Args) -> dict:
         })
         # <<< shared: log
         # >>> shared: ratio-log
+        # reads stats; defines nothing
         metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
                        clip_frac_first_update=stats.mean("clip_frac", step=0),  # the first optimizer step is
                        kl_first_update=stats.max("kl", step=0))                 # exactly on-policy
@@ -463,6 +472,7 @@ def main(args: Args) -> dict:
         })
 
         # >>> shared: loop-end
+        # reads loop; defines nothing
         # ---- 3e. Log the line, checkpoint every --save-every iterations ----
         loop.end(metrics)
     return loop.finish()                                     # the final checkpoint

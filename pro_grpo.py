@@ -246,9 +246,9 @@ def survivor_advantages(rewards: torch.Tensor) -> torch.Tensor:
     over rewards with --reward-norm per-reward). Reading 3: the survivors' true rewards, not their previews'; the
     std is the population one (np.std, as Flow-GRPO's code); no global std: the paper normalises within the group.
     rewards (B, K) -> (B*K,)."""
-    mean = rewards.mean(1, keepdim=True)
+    group_mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, correction=0, keepdim=True)       # population std, as Flow-GRPO's code
-    return rearrange((rewards - mean) / (std + 1e-4), "b k -> (b k)")
+    return rearrange((rewards - group_mean) / (std + 1e-4), "b k -> (b k)")
 
 
 def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> tuple[list[int], list[int]]:
@@ -278,11 +278,11 @@ def parse_funnel(funnel: str, checkpoints: str, group_size: int, steps: int) -> 
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
+    # reads nothing; defines rt
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
-    W = rt.world_size
     # <<< shared: validate
     sizes, steps_at = parse_funnel(args.funnel, args.checkpoints, args.group_size, args.sample_steps)  # [Pro-GRPO]
-    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, expanded group G_max
+    B, G = args.prompts_per_step // rt.world_size, args.group_size  # prompts per rank, expanded group G_max
     K = sizes[-1] if sizes else G                            # trained survivors per prompt
     N = B * K                                                # trained samples per rank per iteration
     mb = args.micro_batch
@@ -293,10 +293,12 @@ def main(args: Args) -> dict:
     if not (0 < args.timestep_fraction <= 1 and T_train >= 1):
         raise common.UsageError(f"--timestep-fraction {args.timestep_fraction} of --sample-steps {T} trains no step")
     funnel_text = " -> ".join(map(str, [G, *sizes])) + (f" at steps {steps_at}" if sizes else "")
-    common.print0(f"ranks {W} | prompts/rank B={B} | funnel {funnel_text} | trained K={K}, samples/rank N={N} | "
-                  f"micro-batch {mb} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained {T_train}")
+    common.print0(f"ranks {rt.world_size} | prompts/rank B={B} | funnel {funnel_text} | trained K={K}, samples/rank "
+                  f"N={N} | micro-batch {mb} | updates/iteration {args.updates_per_rollout} | steps T={T}, trained "
+                  f"{T_train}")
 
     # >>> shared: setup-run
+    # reads nothing; defines train_prompts, eval_prompts, reward_terms, run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     if args.preflight:                                       # every check above passed: one iteration, checked (README)
@@ -304,6 +306,7 @@ def main(args: Args) -> dict:
     run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
+    # reads nothing; defines reward_fn, adapter, transformer, params
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
@@ -316,6 +319,7 @@ def main(args: Args) -> dict:
     lora = args.lora_rank > 0
     ref = common.frozen_copy(transformer) if args.beta > 0 and not lora else None  # full FT: frozen reference
     # >>> shared: setup-train
+    # reads ref; defines params, optimizer, ema, net, guard
     if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
         params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
@@ -329,15 +333,15 @@ def main(args: Args) -> dict:
     loop = common.TrainingLoop(args, run, rt, adapter, params, optimizer, ema, eval_prompts, reward_fn, guard)
     sigmas = adapter.sigmas(T)                               # (T+1,) t_0 = 1 ... t_T = 0
     t_cap = float(sigmas[1])                                 # replaces t = 1 in g's denominator
-    step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)  # [Flow-GRPO Eq. 9]
+    policy_step = functools.partial(common.sde_step, noise_level=args.noise_level, t_cap=t_cap)  # [Flow-GRPO Eq. 9]
     # FLOPs proxy per trajectory-step (reading 7): forward 1, forward + backward 3, reference forward 1, ours over
     # Flow-GRPO's with --baseline-group trajectories per prompt; the preview decodes and reward calls are logged apart
     # (decodes, reward_calls), not in the ratio: the paper's FLOPs table adds them
     train_cost = 3 + (args.beta > 0)
     baseline_cost = B * args.baseline_group * (T + train_cost * T_train)  # Flow-GRPO, same prompts and steps
 
-    def ref_mean(x, t, s, cond):
-        """Step mean under the reference policy (no grad): LoRA switched off, or the frozen copy."""
+    def ref_mu(x, t, s, cond):
+        """The step's mu under the reference policy (no grad): LoRA switched off, or the frozen copy."""
         with torch.no_grad(), (common.lora_disabled(transformer) if lora else contextlib.nullcontext()):
             v = adapter.velocity(ref if ref is not None else transformer, x, t, cond)
         return common.sde_mean_std(x, v, t, s, args.noise_level, t_cap)[0]
@@ -355,6 +359,7 @@ def main(args: Args) -> dict:
         return rearrange(r, "(b n) -> b n", n=n).std(1, correction=0).mean().item()
 
     # >>> shared: loop
+    # reads loop; defines it, metrics
     for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
         if metrics is None:
@@ -363,6 +368,7 @@ def main(args: Args) -> dict:
 
         # ---- 3a. Rollout: expand, SDE-sample step-major [Flow-GRPO Eq. 9], preview + OVF-prune at checkpoints ----
         # >>> shared: iteration-start
+        # reads B; defines tic, gen, batch, records, texts
         tic = time.time()
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
@@ -401,7 +407,7 @@ def main(args: Args) -> dict:
                     t_preview += time.time() - tic_p
                 if k == T:
                     break
-                z, lp, _, _ = step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
+                z, lp, _, _ = policy_step(z, v, sigmas[k], sigmas[k + 1], generator=gen)
                 zs.append(z)
                 lps.append(lp)
         latents, log_probs = torch.stack(zs, 1), torch.stack(lps, 1)  # (N, T+1, ...) and (N, T), survivors
@@ -425,6 +431,9 @@ def main(args: Args) -> dict:
 
         # ---- 3c. Policy update: PPO-clipped ratio per step, KL to the reference [Flow-GRPO Eq. 5] ----
         # >>> shared: update
+        # reads N, mb, loop, per_update, cond, advantages, trained, latents, sigmas, policy_step, ref_mu, log_probs;
+        #   defines tic, order, stats, u, n_step, minibatch, m, idx, c, A, j, k, sync, z, z_next, v, lp, mu, std_k, kl,
+        #   loss, logged, stepped, grad_norm, t_update
         tic = time.time()
         transformer.train()
         order = torch.randperm(N // mb, generator=gen)       # shuffle whole micro-batches: the first is on-policy
@@ -440,13 +449,14 @@ def main(args: Args) -> dict:
                     z, z_next = latents[idx, j], latents[idx, j + 1]
                     with common.no_sync(net, not sync):
                         v = adapter.velocity(net, z, sigmas[k], c)
-                        _, lp, mu, std_k = step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
-                        kl = common.gaussian_kl(mu, ref_mean(z, sigmas[k], sigmas[k + 1], c), std_k) \
+                        _, lp, mu, std_k = policy_step(z, v, sigmas[k], sigmas[k + 1], next_x=z_next)
+                        kl = common.gaussian_kl(mu, ref_mu(z, sigmas[k], sigmas[k + 1], c), std_k) \
                             if args.beta > 0 else torch.zeros_like(lp)
                         loss, logged = step_loss(lp, log_probs[idx, j], A, kl, sigmas[k], sigmas[k + 1], args)
                         guard.backward(loss / (len(minibatch) * len(trained[m])))  # one step's activations alive
                     stats.add(**logged)
             # >>> shared: step
+            # reads stats, n_step; defines stepped, grad_norm
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
@@ -458,6 +468,7 @@ def main(args: Args) -> dict:
         # ---- 3d. Metrics ----
         zero_std = (grouped.std(1) < 1e-6).float().mean()
         # >>> shared: log
+        # reads stats, rewards, parts, zero_std, t_rollout, t_reward, t_update, loop; defines nothing
         metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
@@ -469,6 +480,7 @@ def main(args: Args) -> dict:
         })
         # <<< shared: log
         # >>> shared: ratio-log
+        # reads stats; defines nothing
         metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
                        clip_frac_first_update=stats.mean("clip_frac", step=0),  # the first optimizer step is
                        kl_first_update=stats.max("kl", step=0))                 # exactly on-policy
@@ -486,6 +498,7 @@ def main(args: Args) -> dict:
         })
 
         # >>> shared: loop-end
+        # reads loop; defines nothing
         # ---- 3e. Log the line, checkpoint every --save-every iterations ----
         loop.end(metrics)
     return loop.finish()                                     # the final checkpoint

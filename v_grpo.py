@@ -300,10 +300,10 @@ def soft_clip(advantages: torch.Tensor, kappa: float) -> torch.Tensor:
 def main(args: Args) -> dict:
     # ---- 2. Setup: every input is checked before a model loads ----
     # >>> shared: validate
+    # reads nothing; defines rt
     rt = common.setup_training(args)                         # the flags every trainer has, then torchrun and seeds
-    W = rt.world_size
     # <<< shared: validate
-    B, G = args.prompts_per_step // W, args.group_size       # prompts per rank, group size
+    B, G = args.prompts_per_step // rt.world_size, args.group_size  # prompts per rank, group size
     N = B * G                                                # samples per rank per iteration
     mb = args.micro_batch
     per_update = common.micro_batches_per_update(N, mb, args.updates_per_rollout)
@@ -313,11 +313,12 @@ def main(args: Args) -> dict:
     if not 1 <= J <= T_pair:
         raise common.UsageError(f"--mc-pairs {J} must be between 1 and the {T_pair} grid points above t = 0: change "
                                 f"it, --pair-grid-steps or --sample-steps")
-    common.print0(f"ranks {W} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} ({N // mb} "
-                  f"per rollout) | updates/iteration {args.updates_per_rollout} | ODE steps T={T} | pairs N_MC={J} "
-                  f"over {T_pair} grid points, shared per {args.share_pairs}")
+    common.print0(f"ranks {rt.world_size} | prompts/rank B={B} | group G={G} | samples/rank N={N} | micro-batch {mb} "
+                  f"({N // mb} per rollout) | updates/iteration {args.updates_per_rollout} | ODE steps T={T} | pairs "
+                  f"N_MC={J} over {T_pair} grid points, shared per {args.share_pairs}")
 
     # >>> shared: setup-run
+    # reads nothing; defines train_prompts, eval_prompts, reward_terms, run
     train_prompts, eval_prompts = common.load_prompts(args.prompts, args.model)
     reward_terms = common.parse_reward_spec(args.reward)    # a bad --reward is refused before the run folder
     if args.preflight:                                       # every check above passed: one iteration, checked (README)
@@ -325,6 +326,7 @@ def main(args: Args) -> dict:
     run = common.prepare_run(args, rt, Path(__file__).stem)  # the folder, and the checkpoint that --resume continues
     # <<< shared: setup-run
     # >>> shared: setup-model
+    # reads nothing; defines reward_fn, adapter, transformer, params
     reward_fn = common.WeightedReward(reward_terms, rt.device, args.reward_norm)
     adapter = common.load_model(args.model, rt, args.model_path, args.resolution, args.guidance_scale,
                                 args.max_sequence_length, args.offload_encoders)
@@ -336,6 +338,7 @@ def main(args: Args) -> dict:
     # <<< shared: setup-model
     ref = None  # no reference network: V-GRPO's KL is to theta_old, whose x-predictions are kept after the rollout
     # >>> shared: setup-train
+    # reads ref; defines params, optimizer, ema, net, guard
     if args.lora_rank == 0:  # full fine-tuning: float32 master weights; --fsdp shards them and the reference per block
         params = common.full_finetuning(transformer, rt, ref, shard=args.fsdp)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, eps=1e-8)
@@ -351,6 +354,7 @@ def main(args: Args) -> dict:
     pair_grid = adapter.sigmas(T_pair)                       # (T_pair+1,) the grid the pair times are drawn from
 
     # >>> shared: loop
+    # reads loop; defines it, metrics
     for it in tqdm(range(run.start, args.iterations + 1), desc=Path(__file__).stem, disable=not rt.is_main):
         metrics = loop.begin(it)                             # evaluation when due; None once the last line is logged
         if metrics is None:
@@ -359,6 +363,7 @@ def main(args: Args) -> dict:
 
         # ---- 3a. Rollout: ODE sampling with the current policy (theta_old = theta), no grad [V-GRPO, one action] ----
         # >>> shared: iteration-start
+        # reads B; defines tic, gen, batch, records, texts
         tic = time.time()
         gen = common.make_generator(args.seed, rt.rank, it)  # every draw of this rank and iteration
         batch = common.sample_prompts(train_prompts, args.prompts_per_step, common.make_generator(args.seed, it))
@@ -430,6 +435,7 @@ def main(args: Args) -> dict:
                           clip_frac=((ratio - 1).abs() > args.clip_range).float().mean(),
                           approx_kl=0.5 * ((surrogate - surrogate_old[idx]) ** 2).mean(), surrogate=surrogate.mean())
             # >>> shared: step
+            # reads stats, n_step; defines stepped, grad_norm
             stepped, grad_norm = guard.step(optimizer, params, args.grad_clip)  # skipped if not finite
             stats.stepped(grad_norm)
             if ema and stepped:
@@ -440,6 +446,7 @@ def main(args: Args) -> dict:
         # ---- 3d. Metrics ----
         zero_std = (rearrange(rewards, "(b g) -> b g", g=G).std(1) < 1e-6).float().mean()
         # >>> shared: log
+        # reads stats, rewards, parts, zero_std, t_rollout, t_reward, t_update, loop; defines nothing
         metrics.update(stats.metrics())                      # each key's mean over the backward passes; grad_norm
         metrics.update({
             "reward_mean": common.all_reduce_mean(rewards.mean()).item(),
@@ -451,6 +458,7 @@ def main(args: Args) -> dict:
         })
         # <<< shared: log
         # >>> shared: ratio-log
+        # reads stats; defines nothing
         metrics.update(ratio_dev_max=stats.max("ratio_dev"), ratio_dev_first_update=stats.max("ratio_dev", step=0),
                        clip_frac_first_update=stats.mean("clip_frac", step=0),  # the first optimizer step is
                        kl_first_update=stats.max("kl", step=0))                 # exactly on-policy
@@ -471,6 +479,7 @@ def main(args: Args) -> dict:
         })
 
         # >>> shared: loop-end
+        # reads loop; defines nothing
         # ---- 3e. Log the line, checkpoint every --save-every iterations ----
         loop.end(metrics)
     return loop.finish()                                     # the final checkpoint

@@ -104,7 +104,7 @@ FWD_BWD = 3                                                # a forward+backward,
 QUICK_SIZES = ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4"]
 QUICK_EXTRA = {"pro_grpo": ["--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"],
                "flow_grpo-fast": ["--sde-window", "1", "--sde-window-range", "0,2"]}
-# The smoke-run settings (helpers.SMOKE, TRAINER_SMOKE) that the cost runs put back to the FLUX values: those
+# The smoke-run settings (helpers.SMOKE, a trainer's FITS_SMOKE) that the cost runs put back to the FLUX values: those
 # that decide the work per prompt. Prompts, resolution, LoRA, lr and the rest change no count (or only scale it).
 NOT_STRUCTURE = {"reward", "iterations", "eval_every", "eval_images", "eval_steps", "resolution", "prompts_per_step",
                  "lora_rank", "lora_alpha", "ema", "gradient_checkpointing", "fsdp", "lr", "threads"}
@@ -173,7 +173,7 @@ def cost_setting(method: str, prompts: int) -> tuple[list[str], dict, dict]:
     import helpers
     args, model_defaults = trainer(method)
     flux = model_defaults["flux"]
-    shrunk = (set(helpers.SMOKE) | set(helpers.TRAINER_SMOKE.get(script(method), {}))) - NOT_STRUCTURE
+    shrunk = (set(helpers.SMOKE) | set(helpers.own(script(method), "FITS_SMOKE", {}))) - NOT_STRUCTURE
     restored = {k: flux.get(k, args[k]) for k in sorted(shrunk) if k in args and flux.get(k, args[k]) is not None}
     variant = VARIANTS[method][2] if method in VARIANTS else []
     argv = [*helpers.tiny_argv(script(method), "flux", drop=("prompts_per_step", *restored)),

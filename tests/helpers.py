@@ -87,16 +87,22 @@ SMOKE = {
     "fsdp": False,
     "threads": 1,
 }
-# What a trainer's method needs on top of SMOKE to fit it: Pro-GRPO a funnel and checkpoints within 4 samples and
-# 4 steps; G2RPO the LoRA learning rate of its SD3 recipe (the smoke runs train a LoRA, not full FLUX); V-GRPO two
-# Monte Carlo pairs.
-TRAINER_SMOKE = {
-    "flow_grpo": {},
-    "pro_grpo": {"group_size": 4, "funnel": "3,2", "checkpoints": "1,2", "baseline_group": 2},
-    "g2rpo": {"lr": 1e-4},
-    "v_grpo": {"mc_pairs": 2},
-}
 _PIPELINES = {}
+
+
+def own(trainer: str, table: str, default=None):
+    """A table of the trainer's own test file, tests/test_<trainer>.py (`default`, else [], without the file or the
+    table): what a method needs on top of the tests' sizes (FITS_SMOKE over SMOKE, FITS_SMALL over SMALL) and the
+    start-up rows of its flags travel with its test file, so a fork's copy of it brings them."""
+    import importlib
+    default = [] if default is None else default
+    try:
+        module = importlib.import_module(f"test_{trainer}")
+    except ModuleNotFoundError as e:
+        if e.name != f"test_{trainer}":
+            raise
+        return default
+    return getattr(module, table, default)
 
 
 def tiny_configs(family: str) -> dict:
@@ -181,9 +187,10 @@ def flags(values: dict) -> list[str]:
 
 def tiny_argv(trainer: str, family: str, drop: tuple[str, ...] = ()) -> list[str]:
     """The argv of a smoke run of `trainer` (a module name, e.g. "flow_grpo") on the tiny `family` pipeline:
-    --model family --model-path <tiny_pipeline>, then every key of SMOKE and TRAINER_SMOKE[trainer] set explicitly
-    over the trainer's family table, except the keys in `drop` (those keep the table's value, else the toy one)."""
-    values = {**SMOKE, **TRAINER_SMOKE.get(trainer, {})}
+    --model family --model-path <tiny_pipeline>, then every key of SMOKE and of the trainer's FITS_SMOKE (`own`) set
+    explicitly over the trainer's family table, except the keys in `drop` (those keep the table's value, else the toy
+    one)."""
+    values = {**SMOKE, **own(trainer, "FITS_SMOKE", {})}
     unknown = set(drop) - set(values)
     assert not unknown, f"tiny_argv: {sorted(unknown)} are not smoke-run settings"
     return ["--model", family, "--model-path", tiny_pipeline(family),

@@ -1,10 +1,11 @@
 """The README's table of defaults, generated from the trainers themselves: one row per model and trainer, each
 cell the effective default of a setting (the `Args` field's default, replaced by the trainer's
 `MODEL_DEFAULTS[model]` for the full-scale models), and the images the trainer scores per iteration at those settings,
-counted by running it (`images_scored`). tests/test_readme.py checks that README.md holds this table.
+counted by running it (`images_scored`). tests/test_readme.py checks that README.md holds every trainer's rows.
 
-  python tests/readme_tables.py            # print the table
-  python tests/readme_tables.py --write    # replace the table in README.md with it
+  python tests/readme_tables.py                      # print the table
+  python tests/readme_tables.py --write              # replace the table in README.md with it (every trainer: minutes)
+  python tests/readme_tables.py --write my_method    # write my_method's rows alone, the others as they are (seconds)
 """
 from __future__ import annotations
 
@@ -125,16 +126,29 @@ def defaults_table(trainers: list[str] = TRAINERS) -> str:
     return "\n".join([HEADER, "|" + "---|" * HEADER.count(" | ") + "---|", *rows]) + "\n"
 
 
-def write_readme(path: Path = README) -> None:
-    """Replaces the table that starts with HEADER in `path` by the current one."""
+def write_readme(path: Path = README, trainers: list[str] | None = None) -> None:
+    """Replaces the table that starts with HEADER in `path` by the current one; with `trainers`, only their rows (the
+    other rows as they are, in the trainers' order within each model): what a fork runs, its rows alone."""
     lines = path.read_text().splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.rstrip("\n") == HEADER)
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    path.write_text("".join(lines[:start]) + defaults_table() + "".join(lines[end:]))
+    if trainers is None:
+        table = defaults_table()
+    else:
+        kept = {m.groups(): line.rstrip("\n") for line in lines[start + 2:end]
+                if (m := re.match(r"\| (\w+) \| `(\w+)` \|", line))}
+        rows = [row(t, model) if t in trainers else kept.get((model, t)) for model in MODELS for t in TRAINERS]
+        table = "\n".join([HEADER, "|" + "---|" * HEADER.count(" | ") + "---|", *filter(None, rows)]) + "\n"
+    path.write_text("".join(lines[:start]) + table + "".join(lines[end:]))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        write_readme()
+    args = sys.argv[1:]
+    if unknown := sorted(set(args) - {"--write"} - set(TRAINERS)):
+        sys.exit(f"tests/readme_tables.py: {', '.join(unknown)}: not a trainer of this checkout (one of "
+                 f"{', '.join(TRAINERS)}) nor --write")
+    named = [a for a in args if a != "--write"] or None
+    if "--write" in args:
+        write_readme(trainers=named)
     else:
-        print(defaults_table(), end="")
+        print(defaults_table(named or TRAINERS), end="")

@@ -1,22 +1,29 @@
 """g2rpo.py: the method's pieces against hand computations and brute force, the branch structure of a real rollout,
 on-policy exactness, function-evaluation accounting, every model path, a toy learning run, bad input."""
+import importlib
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
 import common
-import g2rpo
 from helpers import SMALL, model_argv, read_metrics, run, straight_and_resumed, tiny_argv
 
+TRAINER = Path(__file__).stem.removeprefix("test_")          # this file's trainer: test_my_method.py tests my_method
+trainer = importlib.import_module(TRAINER)
 
-# Start-up rows of g2rpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line).
+
+# Start-up rows of the trainer's own flags, run by tests/test_startup.py: (flags, the words of the one error line).
 STARTUP = [
     (["--grid-shift", "0"], "--grid-shift 0.0 must be at least 1e-12"),
     (["--grid-shift", "-1"], "--grid-shift -1.0 must be at least 1e-12"),
     (["--grid-shift", "nan"], "--grid-shift nan must be at least 1e-12"),
 ]
+# What the method needs on top of helpers.SMOKE, the tiny pipelines' smoke runs (helpers.tiny_argv): the LoRA learning
+# rate of its SD3 recipe (the smoke runs train a LoRA, not full FLUX).
+FITS_SMOKE = {"lr": 1e-4}
 
 
 def fake_velocity(x, t):
@@ -39,13 +46,13 @@ def reference_continuation(z, k, sigmas, stride):
 
 # ---- 1. Method functions ----
 def test_continuation_grid_matches_hand_examples():
-    assert g2rpo.continuation_grid(16, 0, 1) == list(range(1, 17))
-    assert g2rpo.continuation_grid(16, 0, 2) == [1, 2, 4, 6, 8, 10, 12, 14, 16]
-    assert g2rpo.continuation_grid(16, 1, 2) == [2, 3, 5, 7, 9, 11, 13, 15]  # ends at t_15 > 0: x0-jump there
-    assert g2rpo.continuation_grid(16, 7, 3) == [8, 9, 12, 15]
-    assert g2rpo.continuation_grid(10, 0, 3) == [1, 2, 5, 8]
-    assert g2rpo.continuation_grid(16, 14, 2) == [15, 16]
-    assert g2rpo.continuation_grid(16, 15, 1) == [16]  # the SDE step itself lands on t = 0
+    assert trainer.continuation_grid(16, 0, 1) == list(range(1, 17))
+    assert trainer.continuation_grid(16, 0, 2) == [1, 2, 4, 6, 8, 10, 12, 14, 16]
+    assert trainer.continuation_grid(16, 1, 2) == [2, 3, 5, 7, 9, 11, 13, 15]  # ends at t_15 > 0: x0-jump there
+    assert trainer.continuation_grid(16, 7, 3) == [8, 9, 12, 15]
+    assert trainer.continuation_grid(10, 0, 3) == [1, 2, 5, 8]
+    assert trainer.continuation_grid(16, 14, 2) == [15, 16]
+    assert trainer.continuation_grid(16, 15, 1) == [16]  # the SDE step itself lands on t = 0
 
 
 def test_continuations_equal_the_official_loop_one_branch_at_a_time():
@@ -55,7 +62,7 @@ def test_continuations_equal_the_official_loop_one_branch_at_a_time():
     sigmas = common.uniform_sigmas(T, 3.0)
     for k in range(T):
         z = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(k))
-        out = g2rpo.continue_ode(lambda x, i, cond: fake_velocity(x, sigmas[i].expand(len(x))), z, {}, k, sigmas,
+        out = trainer.continue_ode(lambda x, i, cond: fake_velocity(x, sigmas[i].expand(len(x))), z, {}, k, sigmas,
                                  strides)
         assert out.shape == (5, len(strides), 4, 3)
         for r in range(len(z)):
@@ -73,7 +80,7 @@ def test_continuation_evaluations_at_the_paper_setting():
         return fake_velocity(x, sigmas[i].expand(len(x)))
 
     for k in range(8):
-        g2rpo.continue_ode(velocity, torch.zeros(1, 2), {}, k, sigmas, [1, 2])
+        trainer.continue_ode(velocity, torch.zeros(1, 2), {}, k, sigmas, [1, 2])
     assert sum(rows) == 144 - 16
 
 
@@ -87,7 +94,7 @@ def test_rollout_forwards_respect_the_micro_batch(tmp_path, monkeypatch):
         return real(self, net, x, t, cond)
 
     monkeypatch.setattr(common.FluxFamilyAdapter, "velocity", spy)
-    run(g2rpo, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
+    run(trainer, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--output-dir", str(tmp_path / "r"),
                 "--prompts-per-step", "3", "--group-size", "4", "--sample-steps", "4", "--micro-batch", "5",
                 "--threads", "1"])
     assert max(sizes) == 5 and 2 in sizes and 3 in sizes    # 3: the anchor's and the update's prompt rows
@@ -97,7 +104,7 @@ def test_singular_sde_step_is_the_flow_grpo_step_with_only_the_noise_differing()
     t, s, a, G = 0.8, 0.7, 0.7, 4
     z = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
     v = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(2))
-    nxt, lp, mu, _ = g2rpo.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9,
+    nxt, lp, mu, _ = trainer.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9,
                                              common.make_generator(7))
     assert nxt.shape == (2, G, 5, 3) and lp.shape == (2, G)
     g = a * math.sqrt(t / (1 - t))                                        # sigma_t below [Flow-GRPO Eq. 9]
@@ -109,7 +116,7 @@ def test_singular_sde_step_is_the_flow_grpo_step_with_only_the_noise_differing()
     torch.testing.assert_close(lp, hand_lp, rtol=1e-5, atol=1e-5)
     assert (nxt[:, 0] != nxt[:, 1]).all()
     torch.testing.assert_close(mu, mean, rtol=1e-5, atol=1e-5)                 # one mean, shared by the branches
-    _, lp_again, _, _ = g2rpo.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9, next_x=nxt)
+    _, lp_again, _, _ = trainer.singular_sde_step(z, v, torch.tensor(t), torch.tensor(s), G, a, 0.9, next_x=nxt)
     assert torch.equal(lp_again, lp)                     # scoring the drawn branches gives back their log-prob
 
 
@@ -120,7 +127,7 @@ def z_score_by_hand(values):
 
 def test_single_granularity_reduces_to_the_group_advantage():
     r = torch.rand(2, 3, 5, 1, generator=torch.Generator().manual_seed(0))
-    A = g2rpo.mgai_advantages(r)
+    A = trainer.mgai_advantages(r)
     assert A.shape == (2, 3, 5)
     for b in range(2):
         for k in range(3):
@@ -130,7 +137,7 @@ def test_single_granularity_reduces_to_the_group_advantage():
 def test_advantages_are_summed_over_strides_hand_example():
     # G = 3 branches, stride 1 rewards (0, .5, 1) -> z (-1, 0, 1); stride 2 (1, 1, 0) -> (1, 1, -2) / sqrt(3)
     r = torch.tensor([[0.0, 1.0], [0.5, 1.0], [1.0, 0.0]]).view(1, 1, 3, 2)
-    A = g2rpo.mgai_advantages(r)
+    A = trainer.mgai_advantages(r)
     third = 1 / math.sqrt(3)
     assert A.flatten().tolist() == pytest.approx([-1 + third, third, 1 - 2 * third], abs=1e-6)
 
@@ -140,14 +147,14 @@ def test_advantages_weights_and_flat_groups():
     one_hot[0] = 1.0                                     # z = (1 - 1/40) / sqrt(1/40) = 6.17 per stride
     flat = torch.full((40,), 0.5)                        # no signal: exactly zero advantage
     r = torch.stack([one_hot, one_hot], -1).view(1, 1, 40, 2)
-    assert g2rpo.mgai_advantages(r)[0, 0, 0].item() == pytest.approx(2 * 39 / 40 / math.sqrt(1 / 40), rel=1e-5)
+    assert trainer.mgai_advantages(r)[0, 0, 0].item() == pytest.approx(2 * 39 / 40 / math.sqrt(1 / 40), rel=1e-5)
     r_flat = torch.stack([flat, flat], -1).view(1, 1, 40, 2)
-    assert (g2rpo.mgai_advantages(r_flat) == 0).all()
-    # two reward models (--reward-norm per-reward, g2rpo's default): their z-scores summed with the --reward weights
+    assert (trainer.mgai_advantages(r_flat) == 0).all()
+    # two reward models (--reward-norm per-reward, G2RPO's default): their z-scores summed with the --reward weights
     r1 = torch.tensor([0.0, 0.5, 1.0]).view(1, 1, 3, 1)
     r2 = torch.tensor([2.0, 0.0, 1.0]).view(1, 1, 3, 1)
     reward_fn = common.WeightedReward([("toy", 1.0), ("toy-soft", 0.5)], norm="per-reward")
-    A = reward_fn.advantages({"toy": r1, "toy-soft": r2}, g2rpo.mgai_advantages)
+    A = reward_fn.advantages({"toy": r1, "toy-soft": r2}, trainer.mgai_advantages)
     assert A.flatten().tolist() == pytest.approx([-1 + 0.5, 0 - 0.5, 1 + 0], abs=1e-6)
 
 
@@ -163,7 +170,7 @@ def test_rollout_branches_share_the_anchor_latent_bit_for_bit(tmp_path, monkeypa
         return real(x, v, t, s, *args, next_x=next_x, generator=generator)
 
     monkeypatch.setattr(common, "sde_step", spy)
-    run(g2rpo, ["--model", "toy", "--iterations", "1", "--output-dir", str(tmp_path / "r"), *SMALL,
+    run(trainer, ["--model", "toy", "--iterations", "1", "--output-dir", str(tmp_path / "r"), *SMALL,
                 "--eval-every", "0", "--sde-steps", "3"])
     P, G, T = 2, 4, 4                                    # SMALL: 2 prompts, group 4, 4 steps
     assert [t for _, _, t in calls] == pytest.approx(common.uniform_sigmas(T)[:3].tolist())
@@ -187,7 +194,7 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
     """Two iterations on every model path. Before the first optimizer step of an iteration the ratio is exactly 1
     (and, with a KL, before any update the KL to the reference is exactly 0; after one, on the toy, it is not); the
     work split adds up to the hand count."""
-    run(g2rpo, [*model_argv("g2rpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
+    run(trainer, [*model_argv(TRAINER, model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *SMALL,
                 "--granularities", "1,2", *extra])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
@@ -214,8 +221,8 @@ def test_two_iterations_exact_first_update_and_work_accounting(model, cfg, extra
 
 
 def test_resume_equals_straight_run(tmp_path):
-    base = [*tiny_argv("g2rpo", "flux"), "--seed", "3", *SMALL]
-    a, b = straight_and_resumed(g2rpo, base, 1, 3, tmp_path)
+    base = [*tiny_argv(TRAINER, "flux"), "--seed", "3", *SMALL]
+    a, b = straight_and_resumed(trainer, base, 1, 3, tmp_path)
     assert a == b and len(a) == 4
 
 
@@ -224,7 +231,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     """A CI-sized G2RPO run on the toy world (8 prompts x 8 branches, T = 6, 30 iterations; ~40 s on 2 cores):
     held-out reward and strict accuracy over 200 fixed-seed images (standard errors ~0.02 and ~0.035).
     Measured rises: +0.13 / +0.26; the thresholds are about 4 standard errors."""
-    run(g2rpo, ["--model", "toy", "--iterations", "30", "--eval-every", "30", "--eval-images", "200",
+    run(trainer, ["--model", "toy", "--iterations", "30", "--eval-every", "30", "--eval-images", "200",
                 "--prompts-per-step", "8", "--sample-steps", "6", "--threads", "1",
                 "--output-dir", str(tmp_path / "r")])
     first, last = read_metrics(tmp_path / "r")[0], read_metrics(tmp_path / "r")[-1]
@@ -243,4 +250,4 @@ def test_toy_held_out_reward_rises(tmp_path):
 ])
 def test_bad_input(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        run(g2rpo, [*tiny_argv("g2rpo", "flux"), "--output-dir", str(tmp_path / "r"), *flags])
+        run(trainer, [*tiny_argv(TRAINER, "flux"), "--output-dir", str(tmp_path / "r"), *flags])

@@ -11,7 +11,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import SMALL, TRAINER_SMOKE, TRAINERS, flags, read_metrics, run, torchrun_cmd
+from helpers import SMALL, TRAINERS, flags, own, read_metrics, run, torchrun_cmd
 
 TOY = ["--model", "toy", *SMALL, "--iterations", "3", "--eval-every", "2", "--save-every", "1"]
 
@@ -125,7 +125,7 @@ def test_a_lora_outside_the_forward_pass_warns_naming_it_and_a_nan_gradient_fail
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_learning_rate_far_too_large_fails_on_the_step_size(trainer, tmp_path):
-    fit = flags(TRAINER_SMOKE.get(trainer, {}))  # a fork of flow_grpo needs nothing on top
+    fit = flags(own(trainer, "FITS_SMOKE", {}))  # a fork of flow_grpo needs nothing on top
     argv = ["--model", "toy", *SMALL, *fit, "--micro-batch", "2", "--lr", "1"]  # fits all
     code, report = preflight(argv, tmp_path / "run", __import__(trainer))
     r = rows(report)["step size, change / weights (L2)"]

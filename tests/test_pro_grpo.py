@@ -1,21 +1,25 @@
 """pro_grpo.py: the OVF solver against brute force, the funnel and its accounting, survivor advantages,
 Static OVF, every model path, on-policy exactness, learning on the toy model, bad input."""
+import importlib
 import itertools
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-import pro_grpo
 from helpers import SMALL, model_argv, read_metrics, run, tiny_argv, torchrun
+
+TRAINER = Path(__file__).stem.removeprefix("test_")          # this file's trainer: test_my_method.py tests my_method
+trainer = importlib.import_module(TRAINER)
 
 # B = 2 prompts, G_max = 8 -> 6 -> 4 at steps 2, 3 of T = 4; 8 trained samples per rank in micro-batches of 4.
 FUNNEL = [*SMALL, "--group-size", "8", "--funnel", "6,4", "--checkpoints", "2,3"]
 
 
-# Start-up rows of pro_grpo's own flags, run by tests/test_startup.py: (flags, the words of the one error line),
+# Start-up rows of the trainer's own flags, run by tests/test_startup.py: (flags, the words of the one error line),
 # with the flags the method needs at the SMALL sizes (a group of 4).
 STARTUP = [
     (["--baseline-group", "0"], "--baseline-group 0 must be at least 2"),
@@ -23,6 +27,9 @@ STARTUP = [
     (["--timestep-fraction", "nan"], "--timestep-fraction nan must be at least 0 and at most 1"),
 ]
 FITS_SMALL = ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]
+# What the method needs on top of helpers.SMOKE, the tiny pipelines' smoke runs (helpers.tiny_argv): a funnel and
+# checkpoints within 4 samples and 4 steps.
+FITS_SMOKE = {"group_size": 4, "funnel": "3,2", "checkpoints": "1,2", "baseline_group": 2}
 
 
 def population_var(xs):
@@ -40,7 +47,7 @@ def test_ovf_matches_brute_force_over_all_subsets(discrete):
             r = (torch.randint(0, 3, (n,), generator=g) / 2.0) if discrete else torch.randn(n, generator=g).exp()
             vals = r.tolist()
             for k in range(1, n + 1):
-                idx = pro_grpo.ovf_select(r, k)
+                idx = trainer.ovf_select(r, k)
                 assert idx.tolist() == sorted(set(idx.tolist())) and len(idx) == k
                 best = max(population_var([vals[i] for i in c]) for c in itertools.combinations(range(n), k))
                 assert population_var([vals[i] for i in idx.tolist()]) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -48,25 +55,25 @@ def test_ovf_matches_brute_force_over_all_subsets(discrete):
 
 def test_ovf_hand_examples_and_tie_break():
     # {0.1, 0.9} is the widest pair; at k = 3 a skewed set keeps its lone outlier and two from the other end
-    assert pro_grpo.ovf_select(torch.tensor([0.5, 0.1, 0.45, 0.9, 0.55]), 2).tolist() == [1, 3]
-    assert pro_grpo.ovf_select(torch.tensor([0.0, 0.1, 0.2, 0.3, 5.0]), 3).tolist() == [0, 1, 4]
+    assert trainer.ovf_select(torch.tensor([0.5, 0.1, 0.45, 0.9, 0.55]), 2).tolist() == [1, 3]
+    assert trainer.ovf_select(torch.tensor([0.0, 0.1, 0.2, 0.3, 5.0]), 3).tolist() == [0, 1, 4]
     # exact tie between j = 1 ({0, 1, 1}) and j = 2 ({0, 0, 1}): the smallest j wins, keeping more high rewards
-    assert pro_grpo.ovf_select(torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), 3).tolist() == [0, 3, 5]
+    assert trainer.ovf_select(torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]), 3).tolist() == [0, 3, 5]
     with pytest.raises(ValueError, match="need 1 <= k=4 <= n=3"):
-        pro_grpo.ovf_select(torch.zeros(3), 4)
+        trainer.ovf_select(torch.zeros(3), 4)
 
 
 def test_survivor_advantages_are_normalised_per_prompt_over_survivors():
     r = torch.tensor([[0.0, 0.5, 1.0, 1.0], [0.2, 0.2, 0.2, 0.6]])
-    A = pro_grpo.survivor_advantages(r)
+    A = trainer.survivor_advantages(r)
     want = [(x - statistics.mean(row)) / (statistics.pstdev(row) + 1e-4) for row in r.tolist() for x in row]  # np.std
     assert A.tolist() == pytest.approx(want, rel=1e-5)
 
 
 def test_parse_funnel_accepts_schedules_and_names_the_flag_on_bad_ones():
-    assert pro_grpo.parse_funnel("24,12", "5,7", 48, 10) == ([24, 12], [5, 7])
-    assert pro_grpo.parse_funnel("12", "10", 24, 10) == ([12], [10])  # Static OVF
-    assert pro_grpo.parse_funnel("", "", 8, 10) == ([], [])            # plain Flow-GRPO
+    assert trainer.parse_funnel("24,12", "5,7", 48, 10) == ([24, 12], [5, 7])
+    assert trainer.parse_funnel("12", "10", 24, 10) == ([12], [10])  # Static OVF
+    assert trainer.parse_funnel("", "", 8, 10) == ([], [])            # plain Flow-GRPO
     bad = [("24,12", "5", "has 2 sizes but --checkpoints '5' has 1 steps"),
            ("24,24", "5,7", "must decrease strictly from --group-size 48"),
            ("48,12", "5,7", "must decrease strictly"),
@@ -76,25 +83,25 @@ def test_parse_funnel_accepts_schedules_and_names_the_flag_on_bad_ones():
            ("24;12", "5,7", "--funnel '24;12' must be comma-separated integers")]
     for funnel, ckpts, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            pro_grpo.parse_funnel(funnel, ckpts, 48, 10)
+            trainer.parse_funnel(funnel, ckpts, 48, 10)
 
 
 # ---- 2. the funnel inside a run ----
 def spy(monkeypatch, name):
-    """Wraps pro_grpo.<name>, recording (args, result) of every call."""
-    calls, fn = [], getattr(pro_grpo, name)
+    """Wraps the trainer's <name>, recording (args, result) of every call."""
+    calls, fn = [], getattr(trainer, name)
 
     def wrapped(*a, **kw):
         out = fn(*a, **kw)
         calls.append((a, out))
         return out
-    monkeypatch.setattr(pro_grpo, name, wrapped)
+    monkeypatch.setattr(trainer, name, wrapped)
     return calls
 
 
 def test_funnel_sizes_hold_and_pruned_trajectories_get_no_more_calls(monkeypatch, tmp_path):
     ovf, adv = spy(monkeypatch, "ovf_select"), spy(monkeypatch, "survivor_advantages")
-    run(pro_grpo, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--beta", "0", "--baseline-group", "4",
+    run(trainer, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--beta", "0", "--baseline-group", "4",
                    "--output-dir", str(tmp_path / "r"), *FUNNEL])
     m = read_metrics(tmp_path / "r")[0]
     # each checkpoint filters every prompt's alive group to the next funnel size
@@ -114,7 +121,7 @@ def test_funnel_sizes_hold_and_pruned_trajectories_get_no_more_calls(monkeypatch
 
 def test_static_ovf_trains_on_the_max_variance_subset_of_the_final_rewards(monkeypatch, tmp_path):
     ovf, adv = spy(monkeypatch, "ovf_select"), spy(monkeypatch, "survivor_advantages")
-    run(pro_grpo, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--beta", "0", "--output-dir",
+    run(trainer, ["--model", "toy", "--iterations", "1", "--eval-every", "0", "--beta", "0", "--output-dir",
                    str(tmp_path / "r"), *SMALL, "--group-size", "8", "--funnel", "4", "--checkpoints", "4"])
     m = read_metrics(tmp_path / "r")[0]
     assert m["nfe_fwd"] == 2 * 8 * 4                         # every trajectory runs to the end
@@ -128,7 +135,7 @@ def test_static_ovf_trains_on_the_max_variance_subset_of_the_final_rewards(monke
 # ---- 3. end to end ----
 @pytest.mark.parametrize("model", ["toy", "flux", "sd3"])
 def test_two_iterations_run_with_finite_loss(model, tmp_path):
-    run(pro_grpo, [*model_argv("pro_grpo", model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL])
+    run(trainer, [*model_argv(TRAINER, model), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL])
     lines = read_metrics(tmp_path / "r")
     assert [m["iteration"] for m in lines] == [0, 1, 2]
     rows = 2 if model == "sd3" else 1  # SD3's CFG runs both branches: two transformer rows per sample
@@ -148,7 +155,7 @@ def test_two_iterations_run_with_finite_loss(model, tmp_path):
 def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
     """The survivors' recomputed log-probs equal the rollout's before the first optimizer step, also at the
     steps before the checkpoints, whose rollout micro-batches held trajectories pruned later."""
-    run(pro_grpo, [*model_argv("pro_grpo", model), "--iterations", "1", "--eval-every", "0",
+    run(trainer, [*model_argv(TRAINER, model), "--iterations", "1", "--eval-every", "0",
                    "--output-dir", str(tmp_path / "r"), *FUNNEL, *extra])
     m = read_metrics(tmp_path / "r")[0]
     assert m["ratio_dev_first_update"] == 0.0
@@ -158,9 +165,9 @@ def test_first_update_is_exactly_on_policy(model, extra, tmp_path):
 
 def test_torchrun_two_ranks_stay_identical(tmp_path):
     """Each rank prunes its own prompts' groups; the gradients still all-reduce into identical replicas."""
-    argv = [*tiny_argv("pro_grpo", "sd3"), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL,
+    argv = [*tiny_argv(TRAINER, "sd3"), "--iterations", "2", "--output-dir", str(tmp_path / "r"), *FUNNEL,
             "--prompts-per-step", "4"]
-    stdout = torchrun("pro_grpo.py", argv)
+    stdout = torchrun(f"{TRAINER}.py", argv)
     assert "ranks 2 | prompts/rank B=2 | funnel 8 -> 6 -> 4" in stdout
     last = read_metrics(tmp_path / "r")[-1]
     assert last["rank_param_diff"] == 0.0
@@ -177,7 +184,7 @@ def test_toy_held_out_reward_rises(tmp_path):
     pairs = ["a green cross", "a white cross", "a yellow triangle", "a white triangle", "a green circle"]
     prompts = tmp_path / "pairs.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "split": s}) + "\n" for s in ("train", "eval") for p in pairs))
-    run(pro_grpo, ["--model", "toy", "--prompts", str(prompts), "--prompts-per-step", "5", "--group-size", "16",
+    run(trainer, ["--model", "toy", "--prompts", str(prompts), "--prompts-per-step", "5", "--group-size", "16",
                    "--funnel", "8", "--checkpoints", "5", "--micro-batch", "20", "--updates-per-rollout", "1",
                    "--lr", "1e-4", "--beta", "0", "--iterations", "12", "--eval-every", "12", "--eval-images", "100",
                    "--eval-steps", "10", "--threads", "1", "--output-dir", str(tmp_path / "r")])
@@ -188,12 +195,12 @@ def test_toy_held_out_reward_rises(tmp_path):
 
 # ---- 4. bad input: one clear message that names the fix ----
 def test_bad_funnel_and_sizes(tmp_path):
-    base = [*tiny_argv("pro_grpo", "flux"), "--output-dir", str(tmp_path / "r")]
+    base = [*tiny_argv(TRAINER, "flux"), "--output-dir", str(tmp_path / "r")]
     with pytest.raises(ValueError, match="--funnel '3,2' has 2 sizes but --checkpoints '1' has 1 steps"):
-        run(pro_grpo, [*base, "--checkpoints", "1"])
+        run(trainer, [*base, "--checkpoints", "1"])
     with pytest.raises(ValueError, match="--funnel '4,2' must decrease strictly from --group-size 4"):
-        run(pro_grpo, [*base, "--funnel", "4,2"])
+        run(trainer, [*base, "--funnel", "4,2"])
     with pytest.raises(ValueError, match="--checkpoints '1,5' must be increasing steps in \\[0, 4\\]"):
-        run(pro_grpo, [*base, "--checkpoints", "1,5"])
+        run(trainer, [*base, "--checkpoints", "1,5"])
     with pytest.raises(ValueError, match="--micro-batch 3 must divide the 4 trained samples"):
-        run(pro_grpo, [*base, "--micro-batch", "3"])
+        run(trainer, [*base, "--micro-batch", "3"])

@@ -1,18 +1,27 @@
 """README.md against the code: its table of defaults is the one tests/readme_tables.py generates from the trainers,
 and its metrics tables document exactly the keys each trainer logs. The trainers are found by their shared-block
-marker, so a forked method is held to the same README."""
+marker, so a forked method is held to the same README, as the recipe describes it: its rows written for it alone, room
+under the line cap for them, the keys of a shared block it dropped not asked of it."""
 import dataclasses
 import importlib
+import importlib.util
 import json
 import re
+import sys
 
 import pytest
 
 import common
+import fix_copies
 import readme_tables
 from helpers import ROOT, TRAINERS, run
 
+SHIPPED = ("flow_grpo", "pro_grpo", "g2rpo", "v_grpo")
+# The README's lines: at most CAP, and FORK_ROOM more for each forked trainer (its defaults rows, its metrics rows).
+CAP, FORK_ROOM = 600, 12
+
 README = (ROOT / "README.md").read_text()
+BASE_TEXT = (ROOT / "flow_grpo.py").read_text()
 # Logged only in special cases the toy run below does not take: the weights' spread across DDP ranks (last line of
 # a multi-process DDP run); the compiles and their seconds (--compile).
 SPECIAL_CASES = {"rank_param_diff", "compiles", "compile_s"}
@@ -22,16 +31,38 @@ ONE_ITERATION = ["--iterations", "1", "--eval-every", "1", "--prompts-per-step",
                  "--eval-images", "8", "--eval-steps", "4", "--threads", "1"]
 
 
-def test_the_defaults_table_is_generated_from_the_code():
-    """The rows of every trainer README.md lists are the code's, and it lists the four this project ships; a forked
-    method's rows are checked from when `python tests/readme_tables.py --write` writes them in."""
-    listed = [t for t in TRAINERS if f"| toy | `{t}` |" in README]
-    missing = sorted({"flow_grpo", "pro_grpo", "g2rpo", "v_grpo"} - set(listed))
-    assert not missing, f"README.md's defaults table has no rows of {', '.join(missing)}: run `python " \
-                        f"tests/readme_tables.py --write` (it writes the table from the trainers)"
-    table = readme_tables.defaults_table(listed)
-    assert table in README, f"README.md's defaults table is out of date: run `python tests/readme_tables.py --write` " \
-                            f"(it writes the table from the trainers). The code's table:\n{table}"
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_the_defaults_rows_are_generated_from_the_code(trainer):
+    """Every trainer's rows, a forked one's too, are in README.md's defaults table as the code makes them, in the
+    table's order (model, then the trainers' order)."""
+    rows = [readme_tables.row(trainer, model) for model in readme_tables.MODELS]
+    stale = [r for r in rows if r not in README.splitlines()]
+    assert not stale, f"README.md's defaults table lacks {trainer}'s rows as the code makes them: run `python " \
+                      f"tests/readme_tables.py --write {trainer}` (it writes them alone). The code's rows:\n" + \
+                      "\n".join(stale)
+    assert readme_tables.defaults_table([t for t in TRAINERS if f"| toy | `{t}` |" in README]) in README
+
+
+def test_a_forks_rows_are_written_for_it_alone(tmp_path, monkeypatch):
+    """`readme_tables.py --write my_fork` runs my_fork only (each row's images counted by its own runs, here
+    recorded), writes its rows into each model's part of the table after the trainers before it, and leaves every
+    other line as it was."""
+    import flow_grpo
+    monkeypatch.setitem(sys.modules, "my_fork", flow_grpo)
+    monkeypatch.setattr(readme_tables, "TRAINERS", [*readme_tables.TRAINERS, "my_fork"])
+    counted = []
+    monkeypatch.setattr(readme_tables, "images_scored", lambda module, d: counted.append(module) or 7)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    readme_tables.write_readme(readme, ["my_fork"])
+    new = readme.read_text().splitlines()
+    assert counted == [flow_grpo] * len(readme_tables.MODELS)
+    added = [line for line in new if line not in README.splitlines()]
+    assert added == [readme_tables.row("my_fork", m) for m in readme_tables.MODELS]
+    assert [line for line in new if line not in added] == README.splitlines()
+    for model, line in zip(readme_tables.MODELS, added):     # after its model's rows, before the next model's
+        at = new.index(line)
+        assert new[at - 1].startswith(f"| {model} | ") and not new[at + 1].startswith(f"| {model} | ")
 
 
 def test_the_images_scored_are_counted_not_prompts_times_group():
@@ -66,10 +97,11 @@ def test_a_changed_default_changes_the_table(monkeypatch):
 
 
 # ---- metrics ----
-def documented() -> tuple[set[str], dict[str, set[str]]]:
+def documented() -> tuple[set[str], dict[str, set[str]], dict[str, str]]:
     """The keys of README.md's metrics tables: those of `| metric | meaning |` (every trainer) and of
-    `| trainer | metric | meaning |` (the trainers named in the row), each key in backticks, <name> a placeholder."""
-    common_keys, per_trainer, header = set(), {}, None
+    `| trainer | metric | meaning |` (the trainers named in the row), each key in backticks, <name> a placeholder; and
+    the keys of a row of the first that names a shared block ("the `ratio-log` block"): key -> that block."""
+    common_keys, per_trainer, header, block_of = set(), {}, None, {}
     for line in README.splitlines():
         if not line.startswith("|"):
             header = None
@@ -79,10 +111,12 @@ def documented() -> tuple[set[str], dict[str, set[str]]]:
             header = cells
         elif header == ["metric", "meaning"]:
             common_keys |= set(re.findall(r"`([^`]+)`", cells[0]))
+            if len(cells) > 1 and (block := re.search(r"the `([\w-]+)` block", cells[1])):
+                block_of.update(dict.fromkeys(re.findall(r"`([^`]+)`", cells[0]), block.group(1)))
         elif header == ["trainer", "metric", "meaning"]:
             for trainer in re.findall(r"`([^`]+)`", cells[0]):
                 per_trainer.setdefault(trainer, set()).update(re.findall(r"`([^`]+)`", cells[1]))
-    return common_keys, per_trainer
+    return common_keys, per_trainer, block_of
 
 
 def explained_by(key: str, entries: set[str]) -> str | None:
@@ -93,34 +127,67 @@ def explained_by(key: str, entries: set[str]) -> str | None:
     return max(matches, key=lambda e: len(re.sub(r"<\w+>", "", e)), default=None)
 
 
+def logged_keys(module, out) -> set[str]:
+    """The keys a trainer writes to metrics.jsonl in one toy iteration."""
+    run(module, [*ONE_ITERATION, "--output-dir", str(out)])
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {k for line in lines if "iteration" in line for k in line}
+
+
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory) -> dict[str, set[str]]:
-    """The keys each trainer writes to metrics.jsonl in one toy iteration."""
-    keys = {}
-    for trainer in TRAINERS:
-        out = tmp_path_factory.mktemp(trainer)
-        run(importlib.import_module(trainer), [*ONE_ITERATION, "--output-dir", str(out)])
-        lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-        keys[trainer] = {k for line in lines if "iteration" in line for k in line}
-    return keys
+    return {trainer: logged_keys(importlib.import_module(trainer), tmp_path_factory.mktemp(trainer))
+            for trainer in TRAINERS}
+
+
+def undocumented_and_unlogged(trainer: str, keys: set[str], blocks: set[str]) -> tuple[list[str], list[str]]:
+    """The keys a trainer (its shared blocks `blocks`) logs that no metrics table documents, and the documented ones
+    it does not log: those of the every-trainer table, but a row's that names a block the trainer dropped, and its
+    own."""
+    common_keys, per_trainer, block_of = documented()
+    entries = common_keys | per_trainer.get(trainer, set())
+    missing = sorted(k for k in keys if explained_by(k, entries) is None)
+    used = {explained_by(k, entries) for k in keys}
+    optional = {k for k, block in block_of.items() if block not in blocks}
+    return missing, sorted(entries - used - SPECIAL_CASES - optional)
 
 
 def test_the_readme_has_both_metrics_tables():
-    common_keys, per_trainer = documented()
+    common_keys, per_trainer, block_of = documented()
     assert {"iteration", "loss", "kl", "reward_<name>", "eval_<name>"} <= common_keys
     assert set(per_trainer) <= set(TRAINERS), f"the README documents metrics of unknown trainers {set(per_trainer)}"
+    assert {"ratio_dev", "clip_frac_first_update", "approx_kl_second_update"} <= {k for k, b in block_of.items()
+                                                                                  if b == "ratio-log"}
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_every_logged_metric_is_documented_and_every_documented_one_logged(trainer, logged):
-    common_keys, per_trainer = documented()
-    entries = common_keys | per_trainer.get(trainer, set())
-    keys = logged[trainer]
-    missing = sorted(k for k in keys if explained_by(k, entries) is None)
+    blocks = set(fix_copies.blocks((ROOT / f"{trainer}.py").read_text()))
+    missing, unused = undocumented_and_unlogged(trainer, logged[trainer], blocks)
     assert not missing, f"{trainer} logs {missing}, which README.md's metrics tables do not document"
-    used = {explained_by(k, entries) for k in keys}
-    unused = sorted(entries - used - SPECIAL_CASES)
     assert not unused, f"README.md documents {unused} for {trainer}, which it does not log"
+
+
+@pytest.mark.parametrize("dropped", ["ratio-log", "update and ratio-log"])
+def test_a_fork_that_drops_an_optional_block_is_not_asked_for_its_keys(dropped, tmp_path, monkeypatch):
+    """A fork of flow_grpo.py that keeps `update` but drops `ratio-log` logs no ratio key and passes the metrics
+    check; so does tests/likelihood_free.py, which drops both. With every block asked of it, each would fail."""
+    if dropped == "ratio-log":
+        text = re.sub(r" *# >>> shared: ratio-log\n.*?# <<< shared: ratio-log\n", "", BASE_TEXT, flags=re.S)
+        path = tmp_path / "no_ratio_log.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, path.stem, module)
+        spec.loader.exec_module(module)
+    else:
+        import likelihood_free as module
+        text = (ROOT / "tests" / "likelihood_free.py").read_text()
+    keys = logged_keys(module, tmp_path / "r")
+    assert not any(k.endswith(("_first_update", "_second_update")) for k in keys) and "ratio_dev_max" not in keys
+    blocks = set(fix_copies.blocks(text))
+    assert undocumented_and_unlogged("flow_grpo", keys, blocks) == ([], [])
+    assert undocumented_and_unlogged("flow_grpo", keys, set(fix_copies.SHARED) | set(fix_copies.OPTIONAL))[1]
 
 
 # ---- the reader's part, then the reference ----
@@ -134,7 +201,10 @@ def test_the_readme_is_a_part_to_read_then_a_reference_with_contents_pointing_in
     reference = [h for h in heads if h.startswith("## Reference")]
     assert len(reference) == 1 and heads[-1] == reference[0], "one level-2 Reference heading, last; its sections ###"
     reading, _ = README.split(reference[0] + "\n")
-    assert len(reading.splitlines()) <= 250 and len(README.splitlines()) <= 560
+    forks = len(set(TRAINERS) - set(SHIPPED))
+    assert len(reading.splitlines()) <= 180, "the part to read, before the Reference, is at most 180 lines"
+    assert len(README.splitlines()) <= CAP + FORK_ROOM * forks, f"README.md is capped at {CAP} lines, and " \
+                                                                f"{FORK_ROOM} more for each forked trainer's rows"
     contents = reading[:reading.index("\n## ")]
     sections = [h for h in README.splitlines() if h.startswith(("## ", "### "))]
     missing = [h for h in sections if f"(#{slug(h)})" not in contents and h not in reference]
@@ -159,8 +229,8 @@ def test_a_word_is_defined_in_words_before_it_is_used(term):
 
 
 def test_the_fork_checklist_quotes_flow_grpo():
-    """Each duty of an update of one's own cites the line of flow_grpo.py that does it, verbatim."""
-    flow = (ROOT / "flow_grpo.py").read_text()
+    """Each duty of an update of one's own cites the line of flow_grpo.py (or of its tests) that does it, verbatim."""
+    flow = (ROOT / "flow_grpo.py").read_text() + (ROOT / "tests" / "test_flow_grpo.py").read_text()
     items = re.findall(r"^ *- \[ \] (.*?)(?=^ *- \[ \]|^\d+\. )", README, flags=re.M | re.S)
     cited = [code for item in items for code in re.findall(r"\(`([^`]+)`(?:, `([^`]+)`)?\)", item) for code in code
              if code]
@@ -185,3 +255,17 @@ def test_what_a_fork_calls_in_common_is_listed():
         outside = "".join(outside) + text[last:]
         used |= set(re.findall(r"\bcommon\.(\w+)", outside)) | set(re.findall(r"\bloop\.(\w+)\(", outside))
     assert not used - listed, f"README.md's list of what a fork calls lacks {sorted(used - listed)}"
+
+
+def test_the_readme_gives_the_lint_line_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text()
+    line = re.search(r"^ruff check .*$", ci, flags=re.M).group(0)
+    assert f"`{line}`" in README, f"README.md's fork recipe does not give CI's lint line `{line}`"
+
+
+def test_the_formulas_call_a_steps_mean_mu():
+    """In Math conventions mu is a step's mean and `mean` only an average over elements (the official CPS log-prob,
+    -mean((x' - mu)^2)), never both in one formula."""
+    section = README[README.index("## Math conventions"):README.index("## Set-up")]
+    assert "mu = x + [v + g^2 / (2t) (x + (1 - t) v)] (s - t)" in section and "-mean((x' - mu)^2)" in section
+    assert not re.search(r"\bmean =|- mean\b", section), "a formula uses `mean` for a step's mean: write mu"

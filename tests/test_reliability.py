@@ -24,7 +24,7 @@ import torch
 
 import common
 import flow_grpo
-from helpers import (ROOT, SMALL, TRAINERS, read_metrics, run, small, tiny_argv, torchrun, torchrun_cmd,
+from helpers import (ROOT, SMALL, TRAINERS, own, read_metrics, run, small, tiny_argv, torchrun, torchrun_cmd,
                      trained_params, without_timings)
 
 TOY = ["--model", "toy", *SMALL]
@@ -1027,9 +1027,6 @@ METHOD_FLAGS = {
 }
 
 
-FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # group of 4
-
-
 def one_error_line(capsys, module, argv) -> str:
     with pytest.raises(SystemExit) as stop:
         common.run_cli(module.main, module.Args, module.MODEL_DEFAULTS, argv)
@@ -1042,7 +1039,7 @@ def one_error_line(capsys, module, argv) -> str:
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, capsys):
     module = importlib.import_module(trainer)
-    out = ["--output-dir", str(tmp_path / "never"), *FITS_SMALL.get(trainer, [])]
+    out = ["--output-dir", str(tmp_path / "never"), *own(trainer, "FITS_SMALL")]
     cases = [(["--prompts", path], message) for path, message in bad_prompt_files(tmp_path)]
     cases += BAD_FLAGS + METHOD_FLAGS.get(trainer, [])
     for flags, message in cases:
@@ -1050,7 +1047,7 @@ def test_bad_input_gives_one_clear_line_and_no_traceback(trainer, tmp_path, caps
         assert message in err, (flags, err)
     assert not (tmp_path / "never").exists()                             # refused before anything was written
     (tmp_path / "a_file").write_text("x")
-    err = one_error_line(capsys, module, [*TOY, *FITS_SMALL.get(trainer, []), "--output-dir",
+    err = one_error_line(capsys, module, [*TOY, *own(trainer, "FITS_SMALL"), "--output-dir",
                                           str(tmp_path / "a_file" / "run")])
     assert f"cannot write to --output-dir {tmp_path / 'a_file' / 'run'} (Not a directory): pass a writable " \
            f"folder" in err

@@ -1,7 +1,9 @@
 """Every trainer is a copy of flow_grpo.py: the blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME`
 must stay verbatim (like diffusers' "Copied from" check; `python tests/fix_copies.py FILE` brings them up to date),
 the functions they call must be defined, trainers import only common, and stay readable. A trainer is any top-level .py
-file with the shared markers, so a forked method is checked without listing it."""
+file with the shared markers, so a forked method is checked without listing it; tests/likelihood_free.py, the template
+of a method without a ratio, is checked as one. Each block opens with the names it reads from the method and those it
+binds, held to its code; a name means one thing in every trainer."""
 import ast
 import dataclasses
 import importlib
@@ -16,6 +18,7 @@ from helpers import ROOT
 
 SHARED, OPTIONAL = set(fix_copies.SHARED), set(fix_copies.OPTIONAL)
 TRAINERS = [f"{name}.py" for name in helpers.TRAINERS]
+FORKS = [name for name in TRAINERS if name != "flow_grpo.py"] + ["tests/likelihood_free.py"]  # copies of flow_grpo.py
 
 
 def shared_blocks(path) -> dict[str, str]:
@@ -39,7 +42,7 @@ def test_flow_grpo_marks_the_shared_blocks():
     assert set(shared_blocks(ROOT / "flow_grpo.py")) == SHARED | OPTIONAL
 
 
-@pytest.mark.parametrize("name", [t for t in TRAINERS if t != "flow_grpo.py"])
+@pytest.mark.parametrize("name", FORKS)
 def test_shared_blocks_are_verbatim_copies(name):
     """Every trainer has the SHARED blocks; any block it marks (an OPTIONAL one too) is flow_grpo.py's verbatim."""
     ours, base = shared_blocks(ROOT / name), shared_blocks(ROOT / "flow_grpo.py")
@@ -50,6 +53,45 @@ def test_shared_blocks_are_verbatim_copies(name):
     missing = fix_copies.missing_functions((ROOT / name).read_text(), (ROOT / "flow_grpo.py").read_text())
     assert not missing, f"{name}: its shared blocks call {missing}, which it does not define: run `python " \
                         f"tests/fix_copies.py {name}` (it adds flow_grpo.py's)"
+    assert fix_copies.main(["--check", str(ROOT / name)]) == 0                 # and the tool agrees
+
+
+def test_the_likelihood_free_template_drops_only_the_optional_blocks():
+    assert set(shared_blocks(ROOT / "tests" / "likelihood_free.py")) == SHARED
+
+
+def test_each_block_opens_with_the_names_it_reads_from_the_method_and_those_it_binds():
+    """`# reads A, B; defines C, D` under each opening marker in main(): A, B are the names the block reads before it
+    binds them that neither the module nor a block every trainer keeps binds (the method's: renamed, they would be a
+    NameError), C, D every name it binds, each in the order the code first uses it."""
+    text = (ROOT / "flow_grpo.py").read_text()
+    m, given = fix_copies.Method(text), fix_copies.required_binds(text)
+    assert {"N", "cond", "advantages", "policy_step", "ref_mu", "loop"} <= set(m.reads("update", given))  # it sees
+    assert m.reads("step", given) == ["stats", "n_step"] and m.reads("validate", given) == []
+    for block, text_ in fix_copies.shared_blocks(text).items():
+        if block == "args":                                   # the fields: not code of main()
+            continue
+        said = fix_copies.header(text_)
+        assert said is not None, f"the shared block '{block}' does not open with `# reads ...; defines ...`"
+        code = (m.reads(block, given), m.binds(block))
+        assert said == code, f"the shared block '{block}' says it reads {said[0]} and defines {said[1]}; its code " \
+                             f"reads {code[0]} and defines {code[1]}:\n" + fix_copies.header_text(*code, "")
+
+
+@pytest.mark.parametrize("name", [*TRAINERS, "tests/likelihood_free.py"])
+def test_a_name_means_one_thing(name):
+    """W is the SDE window (Flow-GRPO-Fast), never the world size; step an optimizer step (guard.step, ema.step, the
+    `step` block), never the policy's denoising step (policy_step); mu a step's mean, `mean` only an average: no
+    trainer binds W in main(), or step or mean anywhere."""
+    tree = ast.parse((ROOT / name).read_text())
+    bound = {n for kind, n, _ in fix_copies.events(tree.body) if kind == "store"}
+    inner = {n for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) for kind, n, _ in
+             fix_copies.events(node.body) if kind == "store"} | {a.arg for node in ast.walk(tree) if
+                                                                   isinstance(node, ast.arg) for a in [node]}
+    main = fix_copies.main_def(tree)
+    in_main = {n for kind, n, _ in fix_copies.events(main.body) if kind == "store"} | fix_copies._params(main.args)
+    assert not {"step", "mean"} & (bound | inner), f"{name} binds step or mean"
+    assert "W" not in in_main, f"{name}: W in main() is the SDE window's name, not the world size (rt.world_size)"
 
 
 def test_pro_grpo_trains_with_flow_grpo_update():
@@ -91,7 +133,7 @@ def test_the_fields_common_reads_are_shared_or_named_in_the_shared_block():
         assert named <= fields, f"{name}: common.py reads {sorted(named - fields)}, which its Args lacks"
 
 
-@pytest.mark.parametrize("name", TRAINERS)
+@pytest.mark.parametrize("name", [*TRAINERS, "tests/likelihood_free.py"])
 def test_trainer_is_self_contained_and_short(name):
     text = (ROOT / name).read_text()
     assert len(text.splitlines()) < 1000
@@ -116,15 +158,20 @@ def test_model_tables_hold_only_what_differs(name):
         assert line.count('": ') <= 1, f"{name}: one key per line in MODEL_DEFAULTS: {line.strip()}"
 
 
-def test_the_trainers_test_file_takes_its_trainer_from_its_own_name():
-    """tests/test_flow_grpo.py, which a fork copies as tests/test_<module>.py (README, Fork a method), names its trainer
-    nowhere in its code: TRAINER is its file's name less test_, so a copy under any name needs no edit, and its lines
-    keep their length (the lint's 120)."""
+@pytest.mark.parametrize("trainer", helpers.TRAINERS)
+def test_the_trainers_test_file_takes_its_trainer_from_its_own_name(trainer):
+    """Each trainer's tests/test_<trainer>.py, which a fork copies as tests/test_<module>.py (README, Fork a method),
+    names its trainer nowhere in its code but its docstring: TRAINER is its file's name less test_, so a copy under any
+    name needs no edit and tests the copy (tests/test_fork.py copies all four)."""
     import io
     import tokenize
-    text = (ROOT / "tests" / "test_flow_grpo.py").read_text()
+    path = ROOT / "tests" / f"test_{trainer}.py"
+    if not path.exists():
+        pytest.skip(f"{trainer} has no test file of its own")
+    text = path.read_text()
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type in (tokenize.NAME,
                                                                                              tokenize.STRING)]
-    assert tokens[0].type == tokenize.STRING and "flow_grpo" in tokens[0].string           # the docstring says so
-    assert not [t.string for t in tokens[1:] if "flow_grpo" in t.string]
+    assert tokens[0].type == tokenize.STRING and trainer in tokens[0].string             # the docstring says so
+    named = [f"line {t.start[0]}: {t.string}" for t in tokens[1:] if trainer in t.string]
+    assert not named, f"tests/test_{trainer}.py names its trainer: a copy of it would test {trainer}, not the copy"
     assert 'TRAINER = Path(__file__).stem.removeprefix("test_")' in text

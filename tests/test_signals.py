@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import common
-from helpers import (ROOT, SMALL, SMALL_SIZES, TRAINERS, read_metrics, run, small, torchrun, torchrun_cmd,
+from helpers import (ROOT, SMALL, SMALL_SIZES, TRAINERS, own, read_metrics, run, small, torchrun, torchrun_cmd,
                      trained_params, without_timings)
 
-FITS_SMALL = {"pro_grpo": ["--funnel", "3,2", "--checkpoints", "1,2", "--micro-batch", "2"]}  # a group of 4
 
 
 def signal_in(phase: str, iteration: int, monkeypatch) -> list:
@@ -47,7 +46,7 @@ def signal_in(phase: str, iteration: int, monkeypatch) -> list:
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_a_signal_saves_the_iteration_it_can_and_resumes_bitwise(trainer, phase, tmp_path, monkeypatch):
     module = importlib.import_module(trainer)
-    argv = ["--model", "toy", *SMALL, *FITS_SMALL.get(trainer, []), "--eval-every", "0", "--seed", "3"]
+    argv = ["--model", "toy", *SMALL, *own(trainer, "FITS_SMALL"), "--eval-every", "0", "--seed", "3"]
     r = tmp_path / "r"
     after = signal_in(phase, 1, monkeypatch)
     with pytest.raises(SystemExit) as stop:
@@ -77,6 +76,43 @@ def test_a_signal_before_the_first_update_of_a_fresh_run_saves_nothing(tmp_path,
     monkeypatch.undo()
     run(flow_grpo, argv)                                    # the same command
     assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]
+
+
+def test_a_signal_in_an_evaluation_of_the_ema_is_acted_on_once_the_trained_weights_are_back(tmp_path, monkeypatch):
+    """--ema evaluates the EMA's weights swapped into the model. A SIGTERM during that evaluation, with a check for it
+    right there (as a method's loop.each inside its own swapped-in copy, an old policy, makes), waits until the
+    weights are swapped back: the checkpoint holds the trained weights, not the EMA's, and resumes bitwise."""
+    import flow_grpo
+    argv, load, inside = ["--model", "toy", *SMALL, "--ema", "--seed", "3"], common.load_model, []
+
+    def loaded(*args, **kwargs):
+        adapter = load(*args, **kwargs)
+        velocity = adapter.velocity
+
+        def signalling(*a, **k):
+            loop = common.TrainingLoop.active
+            swapped = loop is not None and all(torch.equal(p, s) for p, s in zip(loop.params, loop.ema.shadow))
+            if swapped and loop.it == 1 and not common._SIGNALLED["signum"]:  # the evaluation of iteration 1
+                os.kill(os.getpid(), signal.SIGTERM)
+                inside.append([p.clone() for p in loop.params])
+                loop.stop_if_signalled(loop.it)
+            return velocity(*a, **k)
+        adapter.velocity = signalling
+        return adapter
+    monkeypatch.setattr(common, "load_model", loaded)
+    r = tmp_path / "r"
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*argv, "--iterations", "3",
+                                                                                  "--output-dir", str(r)])
+    assert stop.value.code == 128 + signal.SIGTERM and len(inside) == 1
+    assert (r / "checkpoints" / "latest").read_text() == "iter_000001"
+    saved = trained_params(r, 1)
+    assert not all(torch.equal(x, y) for x, y in zip(saved, inside[0]))   # the EMA's weights were in the model
+    monkeypatch.undo()
+    run(flow_grpo, [*argv, "--iterations", "3", "--output-dir", str(r), "--resume", str(r)])
+    run(flow_grpo, [*argv, "--iterations", "3", "--output-dir", str(tmp_path / "straight")])
+    assert without_timings(read_metrics(r)) == without_timings(read_metrics(tmp_path / "straight"))
+    assert all(torch.equal(x, y) for x, y in zip(trained_params(r, 3), trained_params(tmp_path / "straight", 3)))
 
 
 # Under torchrun: SIGTERM, then SIGKILL after --shutdown-timeout. The rollout's model calls are slowed so that an

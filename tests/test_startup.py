@@ -14,18 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
-from helpers import SMALL, TRAINERS, tiny_argv
-
-
-def own(trainer: str, table: str) -> list:
-    """A table of the trainer's own test module, tests/test_<trainer>.py ([] without one)."""
-    try:
-        module = importlib.import_module(f"test_{trainer}")
-    except ModuleNotFoundError as e:
-        if e.name != f"test_{trainer}":
-            raise
-        return []
-    return getattr(module, table, [])
+from helpers import SMALL, TRAINERS, own, tiny_argv
 
 
 def small_run(trainer: str) -> list[str]:

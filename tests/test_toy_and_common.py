@@ -147,13 +147,13 @@ def test_cli_defaults_are_the_toy_run_and_the_model_table_overrides_them():
         assert getattr(flux, name) == ("flux" if name == "model" else expected), name
 
 
-@pytest.mark.parametrize("trainer", sorted(helpers.TRAINER_SMOKE))
+@pytest.mark.parametrize("trainer", helpers.TRAINERS)
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_tiny_argv_is_the_family_at_smoke_run_sizes(trainer, family):
     """The tests' smoke runs: the trainer's flux / sd3 table, every smoke-run size and the trainer's own set over
     it, then the command line; a dropped size keeps the table's value."""
     module = importlib.import_module(trainer)
-    table, smoke = module.MODEL_DEFAULTS[family], {**helpers.SMOKE, **helpers.TRAINER_SMOKE.get(trainer, {})}
+    table, smoke = module.MODEL_DEFAULTS[family], {**helpers.SMOKE, **helpers.own(trainer, "FITS_SMOKE", {})}
     args = common.cli(module.Args, [*helpers.tiny_argv(trainer, family), "--iterations", "5"], module.MODEL_DEFAULTS)
     assert (args.model, args.model_path) == (family, helpers.tiny_pipeline(family))
     assert args.iterations == 5                                                     # the command line wins
