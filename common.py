@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import gzip
 import hashlib
+import importlib
 import io
 import itertools
 import json
@@ -33,22 +34,22 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import warnings
 from pathlib import Path
 
 
-def _stopped(signum, frame):
-    """A SIGTERM / SIGINT with nothing to save (start-up, evaluate, serve-reward): one line, exit status 128 + it."""
+def _stopped(signum, frame):  # a signal with nothing to save (start-up, evaluate, serve-reward): one line, 128 + it
     prog = [Path(sys.argv[0]).name, *sys.argv[1:2]][:1 + (Path(sys.argv[0]).name == "common.py")]
-    with contextlib.suppress(Exception):  # stderr closed; a signal while this file loads
+    with contextlib.suppress(Exception):  # stderr closed; a signal while this file loads (no _release_folder yet)
         print(f"{' '.join(prog)}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         _release_folder()  # a run folder this process made and left empty goes
     os._exit(128 + signum)
 
 
-if Path(getattr(sys.modules["__main__"], "__file__", "/")).resolve().parent == Path(__file__).resolve().parent:
-    for _signum in (signal.SIGINT, signal.SIGTERM):  # a trainer or common.py: a signal while the libraries load
-        signal.signal(_signum, _stopped)
+_main = Path(getattr(sys.modules["__main__"], "__file__", "/")).resolve()  # a trainer or common.py: a signal while the
+for _signum in (signal.SIGINT, signal.SIGTERM) if _main.parent == Path(__file__).resolve().parent else ():  # libraries
+    signal.signal(_signum, _stopped)  # load ends it
 import numpy as np  # noqa: E402 - after the handlers: torch takes seconds to load
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -484,22 +485,15 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
                   compile: bool = False) -> Runtime:
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
     dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU. Checks what --compile
-    needs; says what bf16 costs on a CPU without it, and once, after 5 s, what a rank waits for (README)."""
+    needs; says what bf16 costs on a CPU without it, and what a rank outside torchrun waits for (README)."""
     rank, world_size, local_rank = launcher()
-    if (cache := os.environ.get("TORCHINDUCTOR_CACHE_DIR")) is not None:
-        try:
+    with contextlib.suppress(*() if compile else (UsageError,)):  # torch makes it uncompiled too (diffusers imports
+        if cache := os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None):  # dynamo): unusable, its default then
             writable_folder(Path(cache), "TORCHINDUCTOR_CACHE_DIR")
-        except UsageError:
-            if compile:
-                raise
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # torch makes it uncompiled too (diffusers imports dynamo)
-    if compile:
-        from torch._inductor import cpp_builder, exc
-        try:
-            cpp_builder.get_cpp_compiler()
-        except exc.InvalidCxxCompiler:
-            raise UsageError("--compile needs a C++ compiler (g++, or the one CXX names) and none ran here: install "
-                             "one, or drop --compile") from None
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if compile and not any(map(shutil.which, filter(None, importlib.import_module("torch._inductor.config").cpp.cxx))):
+        raise UsageError("--compile needs a C++ compiler (g++, or the one CXX names), not found here: install one, or "
+                         "drop --compile")  # inductor's search
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
@@ -513,21 +507,17 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
         print0(f"--dtype bf16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 BF16 nor AMX, "
                f"so its bf16 matrix products are emulated and the run will take many times as long as in float32 "
                f"(--dtype fp32; README, Precision)")
-    if world_size > 1 and not dist.is_initialized():
-        where, limit = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", dist.default_pg_timeout
-        notice = threading.Timer(5, print, [f"rank {rank}: waiting for the {world_size} ranks of WORLD_SIZE at {where} "
-                                            f"(MASTER_ADDR:MASTER_PORT); gives up after {limit.seconds // 60} min "
-                                            f"without them (a rank other than 0 retries once)"],
-                                 {"file": sys.stderr, "flush": True})
-        notice.start()
+    if world_size > 1 and not dist.is_initialized():  # each rank says it: one alone in a stale shell too
+        at, limit, err = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", dist.default_pg_timeout, sys.stderr
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's agent gathers its workers first; a shell's may wait
+            print(f"rank {rank}: waiting for the {world_size} ranks of WORLD_SIZE at {at} (MASTER_ADDR:MASTER_PORT); "
+                  f"gives up after {limit.seconds // 60} min without them (a rank other than 0 retries once)", file=err)
         try:
             dist.init_process_group(backend, timeout=limit, device_id=device if backend == "nccl" else None)
-        except dist.DistError as e:  # every rank says it: a rank alone in a stale shell too
-            print(f"rank {rank}: the {world_size} ranks did not all join at {where} ({one_line(e)}): launch them with "
-                  f"torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT", file=sys.stderr, flush=True)
+        except dist.DistError as e:
+            print(f"rank {rank}: the {world_size} ranks did not all join at {at} ({one_line(e)}): launch them with "
+                  f"torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT", file=err)
             raise SystemExit(2) from None
-        finally:
-            notice.cancel()
     random.seed(seed + rank)  # seeds per rank
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)
@@ -1060,13 +1050,10 @@ class TrainingLoop:
 
 
 def finite(tensors, device) -> bool:
-    """True if every tensor (FSDP2: its local shard) and float of `tensors` (nested lists and dicts) is finite on every
-    rank."""
-    leaves = torch.utils._pytree.tree_leaves(tensors)
+    """True if every tensor of `tensors` (nested lists and dicts; FSDP2: its local shard) is finite on every rank."""
     flags = [torch.isfinite(x.detach().to_local() if hasattr(x, "to_local") else x.detach()).all()
-             for x in leaves if isinstance(x, torch.Tensor)]
+             for x in torch.utils._pytree.tree_leaves(tensors) if isinstance(x, torch.Tensor)]
     ok = bool(torch.stack([f.to(device) for f in flags]).all()) if flags else True  # one sync (AdamW's step: CPU)
-    ok = ok and all(math.isfinite(x) for x in leaves if isinstance(x, float))  # a learning rate read back
     return bool(all_ranks([ok], device, dist.ReduceOp.MIN)[0])
 
 
@@ -1217,8 +1204,8 @@ _HELD = []  # (the open .lock of the run folder this process holds, the folder i
 
 def _hold_folder(run_dir: Path, new: bool) -> int:
     """Locks run_dir until the run or process ends or it prepares its next run (flock on .lock, a regular file naming
-    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd. A
-    `new` folder that holds nothing else when it is released goes: a refusal leaves no folder it made."""
+    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd; a
+    `new` folder goes when released with nothing else in it (a refusal leaves no folder it made)."""
     import fcntl
     _release_folder()
     path = run_dir / ".lock"
@@ -1244,10 +1231,8 @@ def _hold_folder(run_dir: Path, new: bool) -> int:
 def _release_folder():
     while _HELD:
         fd, made = _HELD.pop()
-        with contextlib.suppress(OSError):
-            if made is not None and [p.name for p in made.iterdir()] == [".lock"]:
-                (made / ".lock").unlink()
-                made.rmdir()
+        with contextlib.suppress(OSError):  # a folder it made that holds only its lock
+            made and [p.name for p in made.iterdir()] == [".lock"] and ((made / ".lock").unlink() or made.rmdir())
         os.close(fd)
 
 
@@ -1287,13 +1272,14 @@ def file_sha256(path: Path, size: int = -1) -> str:
         return one_line(e)
 
 
-# What this code reads back from its own JSON files: key -> the types (or values) it may hold, or the range of an int;
-# numbers finite, >= 0.
+# What this code reads back from its own JSON files: key -> the types (or values) it may hold, or an int's range.
 NUMBER, TEXT, FLAG, COUNT = (int, float), (str,), (bool,), range(1, 2**31)
 CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": range(4097), "lora_alpha": NUMBER,
                    "ema": FLAG, "iteration": range(10**9 + 1), "elapsed": NUMBER, "world_size": COUNT,
                    "optimizer_stepped": FLAG, "tensors": COUNT, "loss_scale": FLAG, "files": (dict,),
                    "log_bytes": range(2**63), "log_sha256": TEXT}
+PUBLISHED = {True: ["pytorch_lora_weights.safetensors"],  # a checkpoint's published weights: LoRA (True) or full
+             False: ["transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]}
 ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": (str, None), "dtype": (None, *DTYPES),
              "eval_images": (int,), "eval_steps": (int,), "seed": (int,), "resolution": (int, None),
              "guidance_scale": (*NUMBER, None), "max_sequence_length": (int, None)}  # those evaluate reads
@@ -1314,9 +1300,8 @@ def read_own_json(path: Path, keys: dict | None = None) -> dict:
         raise ValueError("does not match its sha256 (edited or damaged)" if digest else "has no sha256")
     for key, allowed in (keys or {}).items():  # signed again after an edit, or by other code
         value = record.get(key)
-        ok = type(value) is int and value in allowed if isinstance(allowed, range) else \
-            type(value) in allowed or value in allowed
-        if not ok or type(value) in NUMBER and not 0 <= value < math.inf:
+        if not (type(value) is int and value in allowed if isinstance(allowed, range) else type(value) in allowed or
+                value in allowed) or type(value) in NUMBER and not 0 <= value < math.inf:  # numbers finite, >= 0
             raise ValueError(f"holds {key} {value!r}, not a value this code writes")
     return record
 
@@ -1334,9 +1319,10 @@ def checkpoint_info(checkpoint: Path) -> dict:
         info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
         if checkpoint.name != f"iter_{info['iteration']:06d}":
             raise ValueError(f"names iteration {info['iteration']}, not that of its folder's name")
-        files = {"state/.metadata", *(f"state/__{r}_0.distcp" for r in range(info["world_size"])), *published(info)}
-        if set(info["files"]) != files or not all(type(h) is str and len(h) == 64 and set(h) <= set(
-                "0123456789abcdef") for h in info["files"].values()):
+        files = {"state/.metadata", *PUBLISHED[info["lora_rank"] > 0], *(f"state/__{r}_0.distcp" for r in range(
+            info["world_size"]))}
+        if set(info["files"]) != files or not all(type(h) is str and len(h) == 64 and h.isalnum() for h in info[
+                "files"].values()):  # a sha256 each, not what file_sha256 says of a file it cannot read
             raise ValueError("holds a digest that does not name the files a save writes, each by its sha256")
         return info
     except ValueError as e:
@@ -1443,16 +1429,10 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     return final
 
 
-def published(info: dict) -> list[str]:
-    """The published weights of a checkpoint (its checkpoint.json `info`), as paths in its folder."""
-    return ["pytorch_lora_weights.safetensors"] if info["lora_rank"] else [
-        "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]
-
-
-def checkpoint_digest(folder: Path, names: list[str] | None = None) -> dict:
-    """{path: sha256} of a checkpoint's files, every rank's share gathered, each file read once: on a save each rank
-    hashes the files it wrote (state/'s __RANK_*; on rank 0 the rest), on a load rank r the i-th of `names` if
-    i % ranks == r."""
+def checkpoint_digest(folder: Path, names: list[str] | None = None, info: dict | None = None) -> dict:
+    """{path: sha256} of a checkpoint's files, every rank's share gathered: on a save each rank hashes the files it
+    wrote (state/'s __RANK_*; rank 0 the rest), on a load rank r the i-th of `names` if i % ranks == r. With `info`
+    (its checkpoint.json), a file of `names` not the one its digest names is refused (not_written_here)."""
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = names[rank::ranks] if names is not None else sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                                                                if p.is_file() and p.name.startswith(f"__{rank}_")
@@ -1461,15 +1441,11 @@ def checkpoint_digest(folder: Path, names: list[str] | None = None) -> dict:
     parts = [None] * ranks if dist.is_initialized() else [digest]
     if dist.is_initialized():
         dist.all_gather_object(parts, digest)
-    return {name: h for part in parts for name, h in part.items()}
-
-
-def check_files(checkpoint: Path, info: dict, names: list[str]):
-    """Refuses (not_written_here) a checkpoint whose files `names` are not those its checkpoint.json's digest names."""
-    digest = checkpoint_digest(checkpoint, names)
-    if changed := [name for name in names if digest[name] != info["files"][name]]:
-        raise not_written_here(checkpoint, f"{changed[0]} is not the file its checkpoint.json's digest names (changed "
-                                           f"since, or another's)")
+    digest = {name: h for part in parts for name, h in part.items()}
+    for name in (name for name in names or () if info is not None and digest[name] != info["files"][name]):
+        raise not_written_here(folder, f"{name} is not the file its checkpoint.json's digest names (changed since, or "
+                               f"another's)")
+    return digest
 
 
 def single_process(save_or_load, state: dict, folder: Path):
@@ -1507,23 +1483,20 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
     scaler = scaler if info["loss_scale"] else None               # none saved (another --dtype): it starts fresh
     state = training_state(params, optimizer, ema, extra_state, scaler)
-    fresh = scaler.state_dict() if scaler is not None else {}  # the settings of the loss scaler this code makes
-    check_files(checkpoint, info, sorted(info["files"]))  # before a byte is loaded
+    fresh = scaler.state_dict() if scaler is not None else {}
+    checkpoint_digest(checkpoint, sorted(info["files"]), info)  # before a byte is loaded
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
-        saved = dcp.FileSystemReader(checkpoint / "state").read_metadata().state_dict_metadata
-        saved = sorted({key.split(".")[0] for key in saved})  # none of it left out unread
-        named = [k for k, flag in [("optimizer", "optimizer_stepped"), ("ema", "ema"), ("scaler", "loss_scale")]
-                 if info[flag]]
-        if set(saved) != {"params", *named, *["extra"] * bool(extra_state)}:
+        saved = dcp.FileSystemReader(checkpoint / "state").read_metadata().state_dict_metadata  # nothing left unread
+        if (saved := sorted({k.split(".")[0] for k in saved})) != sorted({*state, *["scaler"] * info["loss_scale"]}):
             raise ValueError(f"it holds {', '.join(saved)}, not what checkpoint.json and this run name")
         single_process(dcp.load, state, checkpoint / "state")
         steps = [float(s["step"]) for s in state.get("optimizer", {}).get("state", {}).values() if "step" in s]
-        now = scaler.state_dict() if scaler is not None else {}
-        if not finite(state, params[0].device) or any(s < 0 or s % 1 for s in steps) or now and not (
-                0 < now["scale"] < math.inf and 0 <= now["_growth_tracker"] < now["growth_interval"] and
-                all(now[k] == fresh[k] for k in ("growth_factor", "backoff_factor", "growth_interval"))):
+        now = scaler.state_dict() if scaler is not None else {}  # a fresh GradScaler's settings, a scale in (0, inf)
+        if not finite(state, params[0].device) or any(s < 0 or s % 1 for s in steps) or now and not (0 < now.pop(
+                "scale") < math.inf and 0 <= now.pop("_growth_tracker") < now["growth_interval"] and now == {
+                k: fresh[k] for k in now}):
             raise ValueError("not finite, or an optimizer step or loss scaling this code does not write")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
@@ -1780,7 +1753,7 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
     evaluate) into adapter.transformer; weights not the checkpoint's, or that do not load, are not_written_here."""
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
-    check_files(checkpoint, info, published(info))
+    checkpoint_digest(checkpoint, PUBLISHED[lora], info)
     path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
     try:  # an edited transformer/config.json: another architecture, whose weights do not fit
         weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
@@ -2005,7 +1978,6 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     """(HTTP status, reply body) of a JSON POST within `timeout` seconds in all, else TimeoutError. A socket's timeout
     restarts with each read (a trickling server never trips it), so a timer shuts the connection at the deadline."""
     import http.client
-    import urllib.parse
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
                                                                                                 timeout=timeout)
@@ -2536,7 +2508,6 @@ def short_reward_name(name: str) -> str:
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'pickscore:1.0,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; a bare name has weight 1.
     A remote scorer is named by its URL, remote:http://HOST:PORT/NAME, with an optional :WEIGHT after NAME."""
-    import urllib.parse
     out = {}
     for part in [p.strip() for p in (spec or "").split(",")]:
         if part.lower().startswith("remote:"):

@@ -174,13 +174,15 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def test_a_rank_waiting_for_the_others_says_what_it_waits_for_then_gives_up_in_one_line(capsys, monkeypatch):
-    """A full set of torchrun's variables left in a shell, no other rank: within seconds one line says what this rank
-    waits for (the world size, the address and port) and how long; at that limit (here 1 s, shortened), one line and
-    exit status 2 (before: no line of ours, for 30 minutes)."""
+    """A full set of torchrun's variables left in a shell, no other rank (not torchrun's worker): at once one line says
+    what this rank waits for (the world size, the address and port) and how long; at that limit (here 1 s, shortened),
+    one line and exit status 2 (before: no line of ours, for 30 minutes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])                  # nothing listens there
     env = {**ENV, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     proc = subprocess.Popen([sys.executable, "-c", "import common; common.setup_runtime(0, 1)"], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -199,9 +201,9 @@ def test_a_rank_waiting_for_the_others_says_what_it_waits_for_then_gives_up_in_o
     with pytest.raises(SystemExit) as stop:
         common.setup_runtime(0, 1)
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rank")]
-    assert stop.value.code == 2 and not common.dist.is_initialized() and len(err) == 1, err
-    assert err[0].startswith(f"rank 1: the 2 ranks did not all join at 127.0.0.1:{port} (DistNetworkError: ") and \
-        err[0].endswith("): launch them with torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"), err
+    assert stop.value.code == 2 and not common.dist.is_initialized() and len(err) == 2, err
+    assert err[1].startswith(f"rank 1: the 2 ranks did not all join at 127.0.0.1:{port} (DistNetworkError: ") and \
+        err[1].endswith("): launch them with torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"), err
 
 
 def test_an_unusable_inductor_cache_is_one_line_under_compile_and_costs_nothing_without(tmp_path, capsys,
@@ -229,7 +231,7 @@ def test_compile_without_a_cxx_compiler_is_one_line_before_anything_loads(tmp_pa
     for trainer in TRAINERS:
         err = one_line(capsys, importlib.import_module(trainer), [*small_run(trainer), "--compile", "--output-dir",
                                                                   str(tmp_path / "out")])
-        assert "error: --compile needs a C++ compiler (g++, or the one CXX names) and none ran here: install one, or " \
+        assert "error: --compile needs a C++ compiler (g++, or the one CXX names), not found here: install one, or " \
                "drop --compile" in err, err
     with pytest.raises(SystemExit) as stop:
         common.evaluate_main(["--model", "toy", "--compile", "--output", str(tmp_path / "out")])
