@@ -1939,8 +1939,7 @@ class RemoteReward:
         import http.client
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            np.save(buf, im)
+            np.save(buf := io.BytesIO(), im)
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
