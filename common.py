@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import gzip
 import hashlib
+import importlib
 import io
 import itertools
 import json
@@ -33,14 +34,27 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from einops import rearrange, repeat
+
+def _stopped(signum, frame):  # a signal with nothing to save (start-up, evaluate, serve-reward): one line, 128 + it
+    prog = [Path(sys.argv[0]).name, *sys.argv[1:2]][:1 + (Path(sys.argv[0]).name == "common.py")]
+    with contextlib.suppress(Exception):  # stderr closed; a signal while this file loads (no _release_folder yet)
+        print(f"{' '.join(prog)}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        _release_folder()  # a run folder this process made and left empty goes
+    os._exit(128 + signum)
+
+
+_main = Path(getattr(sys.modules["__main__"], "__file__", "/")).resolve()  # a trainer or common.py: a signal while the
+for _signum in (signal.SIGINT, signal.SIGTERM) if _main.parent == Path(__file__).resolve().parent else ():  # libraries
+    signal.signal(_signum, _stopped)  # load ends it
+import numpy as np  # noqa: E402 - after the handlers: torch takes seconds to load
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from einops import rearrange, repeat  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -487,10 +501,19 @@ GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16", "flux2": "bf16"}  # 
 COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
 
 
-def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy") -> Runtime:
+def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy",
+                  compile: bool = False) -> Runtime:
     """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
-    dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU."""
+    dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU. Checks what --compile
+    needs; says what bf16 costs on a CPU without it, and what a rank outside torchrun waits for (README)."""
     rank, world_size, local_rank = launcher()
+    with contextlib.suppress(*() if compile else (UsageError,)):  # torch makes it uncompiled too (diffusers imports
+        if cache := os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None):  # dynamo): unusable, its default then
+            writable_folder(Path(cache), "TORCHINDUCTOR_CACHE_DIR")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if compile and not any(map(shutil.which, filter(None, importlib.import_module("torch._inductor.config").cpp.cxx))):
+        raise UsageError("--compile needs a C++ compiler (g++, or the one CXX names), not found here: install one, or "
+                         "drop --compile")  # inductor's search
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
@@ -498,12 +521,27 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
     else:
         device, backend = torch.device("cpu"), "gloo"
         cpu_threads(threads)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    rt = Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")],
+                 compile)
+    if rt.dtype == torch.bfloat16 and backend == "gloo" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print0(f"--dtype bf16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX-512 BF16 nor AMX, "
+               f"so its bf16 matrix products are emulated and the run will take many times as long as in float32 "
+               f"(--dtype fp32; README, Precision)")
+    if world_size > 1 and not dist.is_initialized():  # each rank says it: one alone in a stale shell too
+        at, limit, err = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", dist.default_pg_timeout, sys.stderr
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's agent gathers its workers first; a shell's may wait
+            print(f"rank {rank}: waiting for the {world_size} ranks of WORLD_SIZE at {at} (MASTER_ADDR:MASTER_PORT); "
+                  f"gives up after {limit.seconds // 60} min without them (a rank other than 0 retries once)", file=err)
+        try:
+            dist.init_process_group(backend, timeout=limit, device_id=device if backend == "nccl" else None)
+        except dist.DistError as e:
+            print(f"rank {rank}: the {world_size} ranks did not all join at {at} ({one_line(e)}): launch them with "
+                  f"torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT", file=err)
+            raise SystemExit(2) from None
     random.seed(seed + rank)  # seeds per rank
     np.random.seed((seed + rank) % 2**32)
     torch.manual_seed(seed + rank)
-    return Runtime(rank, world_size, device, DTYPES[dtype or (GPU_DTYPES[model] if backend == "nccl" else "fp32")])
+    return rt
 
 
 def launcher() -> tuple[int, int, int]:
@@ -514,9 +552,10 @@ def launcher() -> tuple[int, int, int]:
         if not (v[rank].isdecimal() and v[size].isdecimal() and int(v[rank]) < int(v[size])):
             raise UsageError(f"{rank}={v[rank]} and {size}={v[size]}: torchrun sets integers, 0 <= {rank} < {size}; "
                              f"launch with torchrun, or unset those left in the shell")
-    if int(v["WORLD_SIZE"]) > 1 and not ("MASTER_ADDR" in os.environ and os.environ.get("MASTER_PORT", "").isdecimal()):
-        raise UsageError(f"WORLD_SIZE={v['WORLD_SIZE']} without torchrun's MASTER_ADDR and MASTER_PORT: launch with "
-                         f"torchrun, or unset WORLD_SIZE")
+    port = os.environ.get("MASTER_PORT", "")
+    if int(v["WORLD_SIZE"]) > 1 and not ("MASTER_ADDR" in os.environ and port.isdecimal() and 0 < int(port) < 65536):
+        raise UsageError(f"WORLD_SIZE={v['WORLD_SIZE']} without torchrun's MASTER_ADDR and MASTER_PORT (a port "
+                         f"1-65535; MASTER_PORT={port!r}): launch with torchrun, or unset WORLD_SIZE")
     return int(v["RANK"]), int(v["WORLD_SIZE"]), int(v["LOCAL_RANK"])
 
 
@@ -567,7 +606,10 @@ def print0(*args, **kwargs):
 @dataclasses.dataclass
 class _Stream:
     """stdout or stderr of a command: a write that fails (reader gone, disk full) stops the printing, not the run."""
-    stream: io.TextIOBase
+    stream: io.TextIOBase | None
+
+    def __post_init__(self):  # closed at start (>&-, 2>&-): Python has none; /dev/null takes its free descriptor
+        self.stream = self.stream or open(os.devnull, "w")  # (stdout first), which no file opened later can then take
 
     def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: each write has flushed, or failed
         return getattr(self.stream, name)
@@ -633,8 +675,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
     stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
-    streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = map(_Stream, streams)
+    streams = sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
     with ends_process():
         try:
             with one_line_errors(Path(sys.argv[0]).name):
@@ -645,7 +686,7 @@ def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None)
                         raise
                     TrainingLoop.active.after_failure(e)
         finally:
-            TrainingLoop.active, _SIGNALLED["signum"], (sys.stdout, sys.stderr) = None, 0, streams
+            TrainingLoop.active, _SIGNALLED["signum"], (sys.stdout, sys.stderr) = None, 0, (s.stream for s in streams)
             for s, h in handlers.items():
                 signal.signal(s, h)
             _release_folder()
@@ -678,6 +719,8 @@ _SIGNALLED = {"signum": 0, "blocking": False}
 def _on_signal(signum, frame):
     """A first SIGTERM / SIGINT asks for a checkpoint and stop (or ends an `interruptible` block); a second exits."""
     name = signal.Signals(signum).name
+    if TrainingLoop.active is None and not _SIGNALLED["blocking"]:  # starting (or ending): nothing to save
+        _stopped(signum, frame)
     if _SIGNALLED["signum"]:  # a second signal: stop now
         print(f"\n{name} received again: stopping at once, without a checkpoint", file=sys.stderr, flush=True)
         os._exit(128 + signum)
@@ -818,7 +861,7 @@ def setup_training(args) -> Runtime:
     from importlib.util import find_spec
     if args.wandb and find_spec("wandb") is None:
         raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb")
-    rt = dataclasses.replace(setup_runtime(args.seed, args.threads, args.dtype, args.model), compile=args.compile)
+    rt = setup_runtime(args.seed, args.threads, args.dtype, args.model, args.compile)
     if args.prompts_per_step % rt.world_size:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the {rt.world_size} ranks")
     if args.fsdp and (args.lora_rank or rt.world_size < 2):
@@ -1137,8 +1180,9 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
             with contextlib.suppress(FileExistsError):
                 run_dir.mkdir(parents=True)
                 break
+    new = output_dir is None and source is None or not run_dir.exists()
     writable_folder(run_dir, "--output-dir")
-    lock = _hold_folder(run_dir)
+    lock = _hold_folder(run_dir, new)
     with contextlib.suppress(ValueError):  # the identity of the run in run_dir, which a moved folder keeps
         meta["run"] = read_own_json(run_dir / "args.json").get("run")
     log = run_dir / "metrics.jsonl"  # a run is there: checkpoints/, or a logged line besides resume markers
@@ -1180,12 +1224,13 @@ def writable_folder(folder: Path, flag: str):
         raise UsageError(f"cannot write to {flag} {folder} ({e.strerror or e}): pass a writable folder") from None
 
 
-_HELD = []  # the open .lock of the run folder this process holds
+_HELD = []  # (the open .lock of the run folder this process holds, the folder if this process made it)
 
 
-def _hold_folder(run_dir: Path) -> int:
+def _hold_folder(run_dir: Path, new: bool) -> int:
     """Locks run_dir until the run or process ends or it prepares its next run (flock on .lock, a regular file naming
-    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd."""
+    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd; a
+    `new` folder goes when released with nothing else in it (a refusal leaves no folder it made)."""
     import fcntl
     _release_folder()
     path = run_dir / ".lock"
@@ -1204,13 +1249,16 @@ def _hold_folder(run_dir: Path) -> int:
         os.close(fd)
         raise UsageError(f"{run_dir} is in use by another run (pid {holder[0]} on host {holder[-1]}): wait for it to "
                          f"end or stop it, or pass another --output-dir") from None
-    _HELD.append(fd)
+    _HELD.append((fd, run_dir if new else None))
     return fd
 
 
 def _release_folder():
     while _HELD:
-        os.close(_HELD.pop())
+        fd, made = _HELD.pop()
+        with contextlib.suppress(OSError):  # a folder it made that holds only its lock
+            made and [p.name for p in made.iterdir()] == [".lock"] and ((made / ".lock").unlink() or made.rmdir())
+        os.close(fd)
 
 
 def find_checkpoint(path: str, flag: str = "--resume") -> Path:
@@ -1249,12 +1297,14 @@ def file_sha256(path: Path, size: int = -1) -> str:
         return one_line(e)
 
 
-# What this code reads back from its own JSON files: key -> the types (or values) it may hold; numbers finite, >= 0.
-NUMBER, TEXT, FLAG = (int, float), (str,), (bool,)
-CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": (int,), "lora_alpha": NUMBER, "ema": FLAG,
-                   "iteration": (int,), "elapsed": NUMBER, "world_size": (int,), "optimizer_stepped": FLAG,
-                   "tensors": (int,), "loss_scale": FLAG, "state": (dict,), "log_bytes": (int,),
-                   "log_sha256": TEXT}
+# What this code reads back from its own JSON files: key -> the types (or values) it may hold, or an int's range.
+NUMBER, TEXT, FLAG, COUNT = (int, float), (str,), (bool,), range(1, 2**31)
+CHECKPOINT_KEYS = {"trainer": TEXT, "model": TEXT, "run": TEXT, "lora_rank": range(4097), "lora_alpha": NUMBER,
+                   "ema": FLAG, "iteration": range(10**9 + 1), "elapsed": NUMBER, "world_size": COUNT,
+                   "optimizer_stepped": FLAG, "tensors": COUNT, "loss_scale": FLAG, "files": (dict,),
+                   "log_bytes": range(2**63), "log_sha256": TEXT}
+PUBLISHED = {True: ["pytorch_lora_weights.safetensors"],  # a checkpoint's published weights: LoRA (True) or full
+             False: ["transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]}
 ARGS_KEYS = {"run": TEXT, "model_path": (str, None), "reward": TEXT, "prompts": (str, None), "dtype": (None, *DTYPES),
              "eval_images": (int,), "eval_steps": (int,), "seed": (int,), "resolution": (int, None),
              "guidance_scale": (*NUMBER, None), "max_sequence_length": (int, None)}  # those evaluate reads
@@ -1275,7 +1325,8 @@ def read_own_json(path: Path, keys: dict | None = None) -> dict:
         raise ValueError("does not match its sha256 (edited or damaged)" if digest else "has no sha256")
     for key, allowed in (keys or {}).items():  # signed again after an edit, or by other code
         value = record.get(key)
-        if not (type(value) in allowed or value in allowed) or type(value) in NUMBER and not 0 <= value < math.inf:
+        if not (type(value) is int and value in allowed if isinstance(allowed, range) else type(value) in allowed or
+                value in allowed) or type(value) in NUMBER and not 0 <= value < math.inf:  # numbers finite, >= 0
             raise ValueError(f"holds {key} {value!r}, not a value this code writes")
     return record
 
@@ -1287,11 +1338,17 @@ def not_written_here(checkpoint: Path, why: str) -> UsageError:
 
 
 def checkpoint_info(checkpoint: Path) -> dict:
-    """A checkpoint's checkpoint.json as save_checkpoint wrote it, in its iteration's folder, else not_written_here."""
+    """A checkpoint's checkpoint.json as save_checkpoint wrote it, in its iteration's folder, its digest naming the
+    files a save writes (state/: DCP's, one a rank; the published weights), else not_written_here."""
     try:
         info = read_own_json(checkpoint / "checkpoint.json", CHECKPOINT_KEYS)
         if checkpoint.name != f"iter_{info['iteration']:06d}":
             raise ValueError(f"names iteration {info['iteration']}, not that of its folder's name")
+        files = {"state/.metadata", *PUBLISHED[info["lora_rank"] > 0], *(f"state/__{r}_0.distcp" for r in range(
+            info["world_size"]))}
+        if set(info["files"]) != files or not all(type(h) is str and len(h) == 64 and h.isalnum() for h in info[
+                "files"].values()):  # a sha256 each, not what file_sha256 says of a file it cannot read
+            raise ValueError("holds a digest that does not name the files a save writes, each by its sha256")
         return info
     except ValueError as e:
         raise not_written_here(checkpoint, f"checkpoint.json {e}") from None
@@ -1341,7 +1398,7 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
                     elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
     """Writes run_dir/checkpoints/iter_NNNNNN on every rank, whole or not at all (a temporary folder renamed, then
     `latest`), never over one there: the published weights (the EMA's if kept), state/ (training_state), checkpoint.json
-    (own_json: state/'s digest, metrics.jsonl's size and sha256). Non-finite weights or a failure on a rank stop all."""
+    (own_json: each file's sha256, metrics.jsonl's size and sha256). Non-finite weights, a failure on any rank: none."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1363,7 +1420,6 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
         try:
             state = training_state(params, optimizer if stepped else None, ema, extra_state, scaler)
             single_process(dcp.save, state, folder / "state")
-            digest = state_digest(folder / "state")
             with ema.swapped_in() if ema is not None else contextlib.nullcontext():
                 if rt.is_main and lora:
                     from peft.utils import get_peft_model_state_dict
@@ -1373,13 +1429,14 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
                         full_state_dict=True, cpu_offload=True)) if sharded else adapter.transformer.state_dict()
                     if rt.is_main:  # float32 master weights, published as the base model loads
                         _save_transformer(adapter.transformer, weights, folder / "transformer", adapter.weights_dtype)
+            digest = checkpoint_digest(folder)  # every file written, hashed once
             if rt.is_main:
                 for path in folder.rglob("*.safetensors"):  # safetensors writes 0600: the umask's mode, as the folder's
                     path.chmod(stat.S_IMODE(folder.stat().st_mode) & 0o666)
                 log = Path(run_dir) / "metrics.jsonl"  # the lines logged so far, which a resume in place extends
                 info = {**meta, "iteration": iteration, "elapsed": elapsed, "world_size": rt.world_size,
                         "optimizer_stepped": stepped, "tensors": len(params), "loss_scale": scaler is not None,
-                        "state": digest, "log_bytes": log.stat().st_size, "log_sha256": file_sha256(log)}
+                        "files": digest, "log_bytes": log.stat().st_size, "log_sha256": file_sha256(log)}
                 (folder / "checkpoint.json").write_text(own_json(info))
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - a full disk: OSError, SafetensorError...
             error = one_line(e)
@@ -1397,17 +1454,23 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
     return final
 
 
-def state_digest(folder: Path, names: list[str] | None = None) -> dict:
-    """{file: sha256} of a checkpoint's state/, every rank's share gathered: on a save each rank hashes the files it
-    wrote (DCP's __RANK_*, .metadata on rank 0), on a load rank r the files i of `names` with i % ranks == r."""
+def checkpoint_digest(folder: Path, names: list[str] | None = None, info: dict | None = None) -> dict:
+    """{path: sha256} of a checkpoint's files, every rank's share gathered: on a save each rank hashes the files it
+    wrote (state/'s __RANK_*; rank 0 the rest), on a load rank r the i-th of `names` if i % ranks == r. With `info`
+    (its checkpoint.json), a file of `names` not the one its digest names is refused (not_written_here)."""
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = names[rank::ranks] if names is not None else sorted(
-        p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") or p.name == ".metadata" and not rank)
+    mine = names[rank::ranks] if names is not None else sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                                                               if p.is_file() and p.name.startswith(f"__{rank}_")
+                                                               or not rank and p.is_file() and p.name[:2] != "__")
     digest = {name: file_sha256(folder / name) for name in mine}
     parts = [None] * ranks if dist.is_initialized() else [digest]
     if dist.is_initialized():
         dist.all_gather_object(parts, digest)
-    return {name: h for part in parts for name, h in part.items()}
+    digest = {name: h for part in parts for name, h in part.items()}
+    for name in (name for name in names or () if info is not None and digest[name] != info["files"][name]):
+        raise not_written_here(folder, f"{name} is not the file its checkpoint.json's digest names (changed since, or "
+                               f"another's)")
+    return digest
 
 
 def single_process(save_or_load, state: dict, folder: Path):
@@ -1445,14 +1508,21 @@ def load_checkpoint(checkpoint: Path, params: list, optimizer, ema: EMA | None, 
     optimizer = optimizer if info["optimizer_stepped"] else None  # no AdamW state saved: it stays fresh
     scaler = scaler if info["loss_scale"] else None               # none saved (another --dtype): it starts fresh
     state = training_state(params, optimizer, ema, extra_state, scaler)
+    fresh = scaler.state_dict() if scaler is not None else {}
+    checkpoint_digest(checkpoint, sorted(info["files"]), info)  # before a byte is loaded
     try:
         if info["tensors"] != len(params):  # DCP loads a subset without complaint: fewer would take the first ones
             raise ValueError(f"it holds {info['tensors']} trainable tensors and this model {len(params)}")
-        if state_digest(checkpoint / "state", sorted(info["state"])) != info["state"]:  # before a byte is loaded
-            raise ValueError("its files are not those checkpoint.json's digest names: changed since, or another's")
+        saved = dcp.FileSystemReader(checkpoint / "state").read_metadata().state_dict_metadata  # nothing left unread
+        if (saved := sorted({k.split(".")[0] for k in saved})) != sorted({*state, *["scaler"] * info["loss_scale"]}):
+            raise ValueError(f"it holds {', '.join(saved)}, not what checkpoint.json and this run name")
         single_process(dcp.load, state, checkpoint / "state")
-        if not finite(state, params[0].device) or scaler is not None and not 0 < scaler.get_scale() < math.inf:
-            raise ValueError("not finite, or a loss scale not above 0")
+        steps = [float(s["step"]) for s in state.get("optimizer", {}).get("state", {}).values() if "step" in s]
+        now = scaler.state_dict() if scaler is not None else {}  # a fresh GradScaler's settings, a scale in (0, inf)
+        if not finite(state, params[0].device) or any(s < 0 or s % 1 for s in steps) or now and not (0 < now.pop(
+                "scale") < math.inf and 0 <= now.pop("_growth_tracker") < now["growth_interval"] and now == {
+                k: fresh[k] for k in now}):
+            raise ValueError("not finite, or an optimizer step or loss scaling this code does not write")
         if optimizer is not None:
             set_optimizer_state_dict(torch.nn.ParameterList(params), optimizer, state["optimizer"])
     except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - missing, truncated, another model's
@@ -1655,11 +1725,10 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):  # every rank, before a model loads
         raise UsageError(f"--output {out_dir} is {'not empty' if out_dir.is_dir() else 'a file'}: pass a new "
                          f"folder (nothing is overwritten)")
-    rt = dataclasses.replace(setup_runtime(seed, a.threads, dtype, model), compile=a.compile)  # checks torchrun's env
-    new = not out_dir.exists()
+    rt = setup_runtime(seed, a.threads, dtype, model, a.compile)  # checks torchrun's env
+    if not out_dir.exists() and rt.is_main:  # removed if it stays empty (a full disk, a refusal after a model loads)
+        on_exit.callback(lambda: out_dir.is_dir() and (next(out_dir.iterdir(), None) or out_dir.rmdir()))
     writable_folder(out_dir, "--output")
-    if new and rt.is_main:  # removed if it stays empty (a refusal once a model has loaded)
-        on_exit.callback(lambda: next(out_dir.iterdir(), None) or out_dir.rmdir())
     reward_fn = WeightedReward(parse_reward_spec(reward_spec), rt.device)
     results, rows = {}, []
     for label, checkpoint, info, _ in entries:
@@ -1708,10 +1777,11 @@ def run_settings(checkpoint: Path, info: dict, fix: str | None = None) -> dict:
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
-    """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the
-    trainers evaluate) into adapter.transformer; a weights file that does not load is refused (not_written_here)."""
+    """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the trainers
+    evaluate) into adapter.transformer; weights not the checkpoint's, or that do not load, are not_written_here."""
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
+    checkpoint_digest(checkpoint, PUBLISHED[lora], info)
     path = checkpoint / ("pytorch_lora_weights.safetensors" if lora else "transformer")
     try:  # an edited transformer/config.json: another architecture, whose weights do not fit
         weights = load_file(path) if lora else type(adapter.transformer).from_pretrained(path).state_dict()
@@ -1752,8 +1822,10 @@ def preflight(main, args):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     rt = setup_training(args)
     run = prepare_run(args, rt, Path(main.__code__.co_filename).stem)
-    held, _HELD[:] = _HELD[:], []  # the run folder stays locked: the temporary run's prepare_run releases what it holds
     dev, tmp, before, extra, cuda = rt.device, run.dir / ".preflight-run", {}, {}, rt.device.type == "cuda"
+    if broadcast_object(tmp.is_symlink()):  # the temporary run would write through it, and be deleted there
+        raise UsageError(f"{tmp} is a link: remove it (--preflight runs in a folder of that name, then deletes it)")
+    held, _HELD[:] = _HELD[:], []  # the run folder stays locked: the temporary run's prepare_run releases what it holds
     total = torch.cuda.get_device_properties(dev).total_memory if cuda else os.sysconf("SC_PAGE_SIZE") * \
         os.sysconf("SC_PHYS_PAGES")
     name = torch.cuda.get_device_name(dev) if cuda else f"CPU, threads {torch.get_num_threads()}"
@@ -1895,27 +1967,26 @@ class RemoteReward:
         import http.client
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
-            buf = io.BytesIO()
-            np.save(buf, im)
+            np.save(buf := io.BytesIO(), im)
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         body = json.dumps({"prompts": list(prompts), "metadata": None if metadata is None else list(metadata),
                            "images": encoded}).encode()
         expected = f'{{"scores": [{len(encoded)} finite numbers]}}'
         with interruptible():
             for attempt in range(self.retries + 1):
-                raw = b""
+                status, raw = 0, b""
                 try:
                     status, raw = _post(self.url, body, self.timeout)
                     if status < 400:
                         reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
                         break
                     failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
-                    if status < 500:  # the request itself is wrong: retrying cannot help
-                        raise TrainingStopped(f"reward server {self.url} {failure}")
                 except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
                     failure = f"did not answer ({type(e).__name__}: {e})"
-                except ValueError:  # not UTF-8 or not JSON
+                except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
                     failure = f"sent {raw[:200].decode(errors='replace')!r}"
+                if 400 <= status < 500:  # the request itself is wrong: retrying cannot help
+                    raise TrainingStopped(f"reward server {self.url} {failure}")
                 if attempt == self.retries:
                     raise TrainingStopped(f"reward server {self.url} {failure} ({attempt + 1} tries, a "
                                           f"{self.timeout:g} s deadline each); expected {expected}: check that it "
@@ -1934,7 +2005,6 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     """(HTTP status, reply body) of a JSON POST within `timeout` seconds in all, else TimeoutError. A socket's timeout
     restarts with each read (a trickling server never trips it), so a timer shuts the connection at the deadline."""
     import http.client
-    import urllib.parse
     u = urllib.parse.urlsplit(url)
     conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
                                                                                                 timeout=timeout)
@@ -2017,8 +2087,12 @@ def serve_reward(argv=None):
             pass
 
     with one_line_errors(ap.prog):  # a UsageError: one line, exit status 2
-        for flag in ("timeout", "max_request_mb"):
-            check_flag(flag, getattr(a, flag), at_least=1e-3)
+        check_flag("timeout", a.timeout, at_least=1e-3, at_most=1e9)  # a socket's timeout holds up to 9.2e9 s
+        check_flag("max_request_mb", a.max_request_mb, at_least=1e-3)
+        try:
+            torch.empty(1, device=a.device)
+        except Exception as e:  # noqa: BLE001 - not a device, or none here ("cuda" without CUDA: every request a 500)
+            raise UsageError(f"--device {a.device} cannot be used ({one_line(e)}): pass cpu or a GPU here") from None
         try:
             server = ThreadingHTTPServer((a.host, a.port), Handler)  # before the scorer loads: a busy port at once
         except (OSError, OverflowError) as e:  # busy, a bad host, a port outside 0-65535
@@ -2545,9 +2619,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             head, _, last = part[len("remote:"):].rpartition("/")
             last, _, w = last.partition(":")
             name = f"remote:{head}/{last}"
-            if not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
+            try:  # an unclosed [, a port that is not a number in 1-65535
+                url = urllib.parse.urlsplit(name[7:])
+                bad = not url.hostname or url.port == 0
+            except ValueError:
+                bad = True
+            if bad or not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
                 raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
-                                 f"remote:http://HOST:PORT/NAME[:WEIGHT]")
+                                 f"remote:http://HOST:PORT/NAME[:WEIGHT] (a PORT in 1-65535)")
         else:
             name, _, w = part.partition(":")
             name = name.strip().lower()
@@ -2739,15 +2818,19 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
     return recs
 
 
-# --prompts NAME -> (train, held-out): a shipped file, else fetched: Flow-GRPO's (path, git blob id), HPDv2's (file,)
+# --prompts NAME -> (train, held-out), each (path, git blob id): shipped gzipped in assets/prompt_sets (the id of its
+# bytes before gzip), else Flow-GRPO's fetched; HPDv2's (file,) fetched
 RAW_GITHUB, FLOW_GRPO, HPDV2 = "https://raw.githubusercontent.com", "yifan123/flow_grpo", "ymhao/HPDv2"
 REVISIONS = {FLOW_GRPO: "9745241cf1101407e9b518dd4f10498092150522", HPDV2: "bb0f2563e451e11c3f376b2ba93615db00e042e1"}
-PROMPT_SETS = {"pickscore": ("pickscore/train.txt.gz", "pickscore/test.txt.gz"),
+PROMPT_SETS = {"pickscore": (("pickscore/train.txt.gz", "a437bd921c03fbc00c4e7ce148ae2d28fcd6e49b"),
+                             ("pickscore/test.txt.gz", "45f05231b969fb5f74c8debd606b22cd3be27f8e")),
                "hpdv2": (("train.json",), ("test.json",)),
-               "ocr": (("dataset/ocr/train.txt", "3ce0521b77b0a9031191d66ecc36ebaaf27a3922"), "ocr/test.txt.gz"),
+               "ocr": (("dataset/ocr/train.txt", "3ce0521b77b0a9031191d66ecc36ebaaf27a3922"),
+                       ("ocr/test.txt.gz", "8deb4f8d8f2e863f45353354243669b3c991a6a2")),
                "geneval": (("dataset/geneval/train_metadata.jsonl", "0b97e8a6802c08fc7537cd00c76ae79c851bddcb"),
-                           "geneval/test_metadata.jsonl.gz"),
-               "drawbench": ("drawbench/train.txt.gz", "drawbench/test.txt.gz")}
+                           ("geneval/test_metadata.jsonl.gz", "27cdaf5cc1356fe15aeadbb8df55682ca74228f0")),
+               "drawbench": (("drawbench/train.txt.gz", "c24820ee4cbadd948f6db5b45fb52d6fc4370894"),
+                             ("drawbench/test.txt.gz", "8d96e7cf7017ce6ce299a6eec96e21467a2ac7aa"))}
 
 
 def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
@@ -2756,8 +2839,7 @@ def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
     if rev not in ("", revision := REVISIONS[HPDV2 if name == "hpdv2" else FLOW_GRPO]) or model == "toy":
         raise UsageError(f"--prompts {spec}: " + ("the toy model's prompts are its own: leave --prompts out" if model
                                                   == "toy" else f"this code reads {revision}: pass --prompts {name}"))
-    files = [str(ASSETS / "prompt_sets" / source) if isinstance(source, str) else prompt_file(name, revision, source)
-             for source in PROMPT_SETS[name]]
+    files = [prompt_file(name, revision, source) for source in PROMPT_SETS[name]]
     if name != "hpdv2":
         return read_prompt_file(files[0], model), read_prompt_file(files[1], model)
     try:  # a JSON list of records (image pairs), each with its "prompt"; neither split empty
@@ -2771,14 +2853,18 @@ def prompt_set(spec: str, model: str) -> tuple[list[dict], list[dict]]:
 
 
 def prompt_file(name: str, revision: str, source: tuple) -> str:
-    """A set's file not shipped: in the hub cache, else fetched there; checked at every use against its git blob id
-    (Flow-GRPO's, pinned) or its hash (HPDv2's: the hub keeps a file under it, its size checked on the download)."""
+    """A set's file: shipped, or in the hub cache, else fetched there; checked at every use against its git blob id
+    (pinned; a shipped file's before gzip) or its hash (HPDv2's: the hub keeps a file under it, its size checked on the
+    download; a cache copied without links keeps the blob of the same bytes, under that hash)."""
     import urllib.request
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
     path, hub = Path(constants.HF_HUB_CACHE, "prompt-sets", FLOW_GRPO, revision, source[0]), dict(
         repo_id=HPDV2, filename=source[0], repo_type="dataset", revision=revision)
+    shipped = source[0].endswith(".gz")  # in assets/prompt_sets; the fetched are not gzipped
     try:
-        if name == "hpdv2":  # an unreachable hub: one line at once, not after its retries; offline: LocalEntryNotFound
+        if shipped:
+            path = ASSETS / "prompt_sets" / source[0]
+        elif name == "hpdv2":  # an unreachable hub: one line at once, not after retries (offline: LocalEntryNotFound)
             if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(**hub), str):
                 get_hf_file_metadata(hf_hub_url(**hub))
             path = Path(hf_hub_download(**hub))
@@ -2794,11 +2880,15 @@ def prompt_file(name: str, revision: str, source: tuple) -> str:
         why = "not in the hub cache while offline" if constants.HF_HUB_OFFLINE else f"not fetched ({one_line(e)})"
         raise UsageError(f"--prompts {name} needs {source[0]}, {why}: fetch it with `HF_HUB_OFFLINE=0 python common.py "
                          f"fetch-prompts {name}` (a failed download keeps nothing)") from None
-    pinned = source[1] if name != "hpdv2" else path.resolve().name  # a cache without links: the file's own name
-    data = path.read_bytes() if path.is_file() else None  # a FIFO in its place is not read: it would wait
-    if data is None or pinned != path.name and pinned not in content_ids(data):
-        raise UsageError(f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: "
-                         f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`")
+    ids = ()
+    with contextlib.suppress(OSError, EOFError):  # a FIFO in its place is not read (it would wait); gzip cut short
+        ids = content_ids((gzip.decompress if shipped else bytes)(path.read_bytes())) if path.is_file() else ()
+    pinned = source[1] if name != "hpdv2" else path.resolve().name if path.is_symlink() else next(
+        (i for i in ids if (path.parents[2] / "blobs" / i).is_file()), "the hub's blob of its bytes")
+    if pinned not in ids:
+        raise UsageError(f"--prompts {name}: {path} is not the file pinned ({pinned}), changed or damaged since: " + (
+            "restore it (git checkout -- assets/prompt_sets)" if shipped else
+            f"delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py fetch-prompts {name}`"))
     return str(path)
 
 
@@ -3053,10 +3143,7 @@ if __name__ == "__main__":
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
     sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
-    def stop(n, _):  # at once, not by an exception, which library code it lands in (a lazy import) may catch
-        print0(f"common.py {sys.argv[1]}: stopped by {signal.Signals(n).name}", file=sys.stderr)
-        os._exit(128 + n)  # nothing to save: one line, exit status 128 + the signal
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, stop)
+    for s in (signal.SIGTERM, signal.SIGINT):  # at once, not by an exception, which library code it lands in (a lazy
+        signal.signal(s, _stopped)             # import) may catch
     with one_line_errors(f"common.py {sys.argv[1]}"):
         commands[sys.argv[1]](sys.argv[2:])

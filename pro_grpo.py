@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import common  # first: a Ctrl-C while torch loads is then one line (common's start-up)
+from common import field
+
 import torch
 from einops import rearrange
 from tqdm import tqdm
-
-import common
-from common import field
 
 
 # ---- 0. Config: the defaults are the toy run; MODEL_DEFAULTS holds what differs at full scale ----

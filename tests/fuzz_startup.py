@@ -33,7 +33,8 @@ FLAGS = ["--prompts-per-step", "--group-size", "--micro-batch", "--sample-steps"
          "--sde-window", "--sde-window-range", "--sde-type", "--funnel", "--checkpoints", "--granularities",
          "--mc-pairs", "--soft-clip", "--reward", "--reward-norm", "--dtype", "--guidance-scale"]
 REWARDS = ["toy", "toy:2", "toy:1e39", "toy:nan", "toy,toy", "jpeg", "pickscore", "clipscore", "hpsv2", "aesthetic",
-           "nope", "remote:http://127.0.0.1:9/x", "remote:ftp://x", "toy:-1", ""]
+           "nope", "remote:http://127.0.0.1:9/x", "remote:ftp://x", "toy:-1", "", "remote:http://[::1/x",
+           "remote:http://127.0.0.1:99999/x"]
 
 
 def fixtures(tmp: Path, python: str) -> dict:
@@ -53,6 +54,7 @@ def fixtures(tmp: Path, python: str) -> dict:
                "no_state": lambda d: [f.unlink() for f in (d / ckpt / "state").iterdir()],
                "metadata": lambda d: (d / ckpt / "state" / ".metadata").write_bytes(b"garbage"),
                "flipped_bit": lambda d: flip_last_bit(d / ckpt / "state" / "__0_0.distcp"),
+               "published_bit": lambda d: flip_last_bit(d / ckpt / "transformer" / "config.json"),
                "renamed": lambda d: (d / ckpt).rename(d / "checkpoints" / "iter_000003"),
                "incomplete_next": lambda d: (d / "checkpoints" / "iter_000002").mkdir(),
                "no_args": lambda d: (d / "args.json").unlink(),

@@ -6,11 +6,16 @@ import importlib
 import json
 import math
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 from PIL import Image
 
 import common
@@ -217,18 +222,72 @@ def lora_run(tmp_path_factory):
     return out
 
 
-def test_a_damaged_weights_file_is_one_line(toy_run, lora_run, tmp_path, capsys):
-    for argv, name in [
-        (["--checkpoint", damaged(toy_run, tmp_path, "full", "transformer/diffusion_pytorch_model.safetensors")],
-         "is not a checkpoint this code wrote: transformer does not load ("),
-        (["--checkpoint", damaged(lora_run, tmp_path, "lora", "pytorch_lora_weights.safetensors")],
-         "is not a checkpoint this code wrote: pytorch_lora_weights.safetensors does not load ("),
+def resigned(run_dir: str) -> str:
+    """run_dir with its latest checkpoint's digest of the files there now signed into checkpoint.json, as other code
+    could: files that its digest names but that do not load."""
+    checkpoint = next((Path(run_dir) / "checkpoints").glob("iter_*"))
+    info = common.read_own_json(checkpoint / "checkpoint.json")
+    info["files"] = common.checkpoint_digest(checkpoint, sorted(info["files"]))
+    (checkpoint / "checkpoint.json").write_text(common.own_json(info))
+    return run_dir
+
+
+def scaled(path, factor: float):
+    weights = safetensors.torch.load_file(path)
+    safetensors.torch.save_file({k: v * factor for k, v in weights.items()}, path)
+
+
+def flip_a_bit(path):
+    weights = safetensors.torch.load_file(path)
+    weights[sorted(weights)[0]].view(-1).view(torch.int32)[0] ^= 1  # still finite
+    safetensors.torch.save_file(weights, path)
+
+
+def changed(run_dir, tmp_path, name: str, change) -> str:
+    """A copy of run_dir named `name`, change(its latest checkpoint's folder) applied."""
+    copy = tmp_path / name
+    shutil.copytree(run_dir, copy)
+    change(next((copy / "checkpoints").glob("iter_*")))
+    return str(copy)
+
+
+def test_published_weights_that_are_not_the_checkpoints_are_one_line(toy_run, lora_run, tmp_path, capsys):
+    """checkpoint.json's digest covers the published weights, all evaluate reads: before, another run's transformer/,
+    a flipped bit or a LoRA scaled by 3 were scored under the checkpoint's name; a damaged file signed into the digest
+    again is refused as a file that does not load."""
+    other = tmp_path / "other"
+    run(flow_grpo, [*TOY, "--seed", "5", "--output-dir", str(other)])
+    weights, lora = "transformer/diffusion_pytorch_model.safetensors", "pytorch_lora_weights.safetensors"
+    for run_dir, why in [
+        (changed(toy_run, tmp_path, "another", lambda c: shutil.rmtree(c / "transformer") or shutil.copytree(
+            other / "checkpoints" / c.name / "transformer", c / "transformer")), f"{weights} is not the file"),
+        (changed(toy_run, tmp_path, "bit", lambda c: flip_a_bit(c / weights)), f"{weights} is not the file"),
+        (changed(lora_run, tmp_path, "x3", lambda c: scaled(c / lora, 3.0)), f"{lora} is not the file"),
+        (damaged(toy_run, tmp_path, "cut", weights), f"{weights} is not the file its checkpoint.json's digest names "
+                                                     f"(changed since, or another's)"),
+        (resigned(damaged(toy_run, tmp_path, "full", weights)), "transformer does not load ("),
+        (resigned(damaged(lora_run, tmp_path, "lora", lora)), f"{lora} does not load ("),
     ]:
         with pytest.raises(SystemExit) as e:
-            common.evaluate_main([*argv, "--images", "2", "--steps", "1", "--threads", "1"])
+            common.evaluate_main(["--checkpoint", run_dir, "--images", "2", "--steps", "1", "--threads", "1",
+                                  "--output", str(tmp_path / "eval")])
         err = capsys.readouterr().err
         errors = [ln for ln in err.splitlines() if "error:" in ln]        # besides the progress of loading a model
-        assert e.value.code == 2 and len(errors) == 1 and name in errors[0] and "Traceback" not in err, err
+        assert e.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert f"is not a checkpoint this code wrote: {why}" in errors[0] and not (tmp_path / "eval").exists(), err
+
+
+def test_an_output_folder_on_a_full_disk_is_one_line_and_left_as_it_was(toy_run, tmp_path):
+    """The write probe of --output fails (a file size limit of 0 bytes stands in for a full disk): one line, and the
+    folder it made is gone (before: left empty)."""
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "evaluate", "--checkpoint", str(toy_run),
+                          "--output", str(tmp_path / "eval")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120,
+                         preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                             resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot write to --output {tmp_path / 'eval'} (File too large): pass a writable folder" in out.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_failing_reward_is_one_line(toy_run, tmp_path, capsys, monkeypatch):
@@ -293,13 +352,15 @@ def test_the_values_of_a_runs_args_json_pass_the_flags_checks(changes, message, 
 
 
 def test_a_refusal_once_the_model_has_loaded_is_one_line_and_leaves_no_output_folder(toy_run, tmp_path, capsys):
-    """transformer/config.json (no sha256 covers it) edited to another architecture: the weights do not fit."""
+    """transformer/config.json edited to another architecture and signed into the digest again: the weights do not
+    fit."""
     run_dir = tmp_path / "run"
     shutil.copytree(toy_run, run_dir)
     config = next((run_dir / "checkpoints").glob("iter_*")) / "transformer" / "config.json"
     values = json.loads(config.read_text())
     key = next(k for k in ("num_layers", "num_single_layers", "joint_attention_dim") if k in values)
     config.write_text(json.dumps({**values, key: values[key] + 1}))
+    resigned(str(run_dir))
     with pytest.raises(SystemExit) as e:
         common.evaluate_main(["--checkpoint", str(run_dir), "--output", str(tmp_path / "eval"), "--images", "2",
                               "--steps", "1", "--threads", "1"])

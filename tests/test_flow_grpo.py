@@ -129,8 +129,9 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_lost(damaged, tmp_path):
     state = r / "checkpoints" / "iter_000001" / "state" / damaged
     state.write_bytes(state.read_bytes()[:100])
     before = {f: f.read_bytes() for f in r.rglob("*") if f.is_file() and f.name != ".lock"}
-    with pytest.raises(common.UsageError, match="is not a checkpoint this code wrote: state/ does not load .*resume "
-                                                "from an earlier one in a new --output-dir"):
+    with pytest.raises(common.UsageError, match=f"is not a checkpoint this code wrote: state/{damaged} is not the file "
+                                                f"its checkpoint.json's digest names .*resume from an earlier one in a "
+                                                f"new --output-dir"):
         run(trainer, [*tiny_argv(TRAINER, "flux"), "--iterations", "2", "--output-dir", str(r),
                       "--resume", str(r), *SMALL])
     assert {f: f.read_bytes() for f in r.rglob("*") if f.is_file() and f.name != ".lock"} == before

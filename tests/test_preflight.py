@@ -227,3 +227,20 @@ def test_a_flag_the_method_refuses_leaves_nothing_with_or_without_preflight(trai
                 err = capsys.readouterr().err
                 assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, (flags_, out, preflight_, err)
                 assert os.listdir(tmp_path) == [], (flags_, out, preflight_, os.listdir(tmp_path))
+
+
+def test_a_preflight_run_folder_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, capsys):
+    """Before: the temporary run wrote its .lock, args.json and metrics.jsonl through the link into its target."""
+    out, target = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    target.mkdir()
+    (target / "kept").write_text("kept")
+    (out / ".preflight-run").symlink_to(target)
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS, [*TOY, "--output-dir", str(out),
+                                                                                  "--preflight"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.endswith(
+        f": error: {out / '.preflight-run'} is a link: remove it (--preflight runs in a folder of that name, then "
+        f"deletes it)\n"), err
+    assert os.listdir(target) == ["kept"] and sorted(os.listdir(out)) == [".lock", ".preflight-run"]

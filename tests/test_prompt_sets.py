@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,7 +40,7 @@ def cache_fetched(hub: Path, name: str, train: str, held_out: str, monkeypatch) 
     Flow-GRPO's under prompt-sets/OWNER/NAME/COMMIT/, the stand-in's git blob id pinned in its place."""
     paths = []
     for i, (source, text) in enumerate(zip(common.PROMPT_SETS[name], (train, held_out))):
-        if isinstance(source, str):
+        if source[0].endswith(".gz"):  # shipped
             continue
         data = text.encode()
         if name == "hpdv2":
@@ -66,8 +67,9 @@ def test_every_shipped_file_is_its_source_file_and_held_out_split(empty_hub, mon
     for name in ("ocr", "geneval"):  # their train files are fetched: a stand-in
         cache_fetched(empty_hub, name, '{"prompt": "p"}\n', "", monkeypatch)
     rows = notice()
-    shipped = {s for sources in common.PROMPT_SETS.values() for s in sources if isinstance(s, str)}
-    assert set(rows) == shipped and (SETS / "LICENSE").read_text().startswith("MIT License")
+    shipped = {s[0]: s[1] for sources in common.PROMPT_SETS.values() for s in sources if s[0].endswith(".gz")}
+    assert shipped == {file: row[1] for file, row in rows.items()}  # each pinned to its blob id
+    assert (SETS / "LICENSE").read_text().startswith("MIT License")
     for file, (source, blob, sha256, size, count) in rows.items():
         data = gzip.decompress((SETS / file).read_bytes())
         assert (git_blob_id(data), hashlib.sha256(data).hexdigest(), len(data)) == (blob, sha256, int(size)), file
@@ -103,6 +105,48 @@ def test_every_name_resolves_offline_or_is_refused_until_its_files_are_in_the_ca
     train, held_out = common.load_prompts(name, "flux")
     assert train == [record if name == "geneval" else {"prompt": record["prompt"]}]  # GenEval's keep their metadata
     assert held_out == common.load_prompts(name, "sd3")[1] and len(held_out) == {"ocr": 1018, "geneval": 2212}[name]
+
+
+@pytest.mark.parametrize("damage", ["another shipped file", "edited", "not gzip", "a FIFO"])
+def test_a_shipped_file_that_is_not_its_pinned_blob_is_one_line(damage, tmp_path, monkeypatch):
+    """A set recorded as NAME@REVISION is that revision's: before, a shipped file replaced by another was read and
+    recorded under the shipped blob id."""
+    shutil.copytree(SETS, tmp_path / "prompt_sets")
+    monkeypatch.setattr(common, "ASSETS", tmp_path)
+    path = tmp_path / "prompt_sets" / "drawbench" / "test.txt.gz"
+    assert len(common.load_prompts("drawbench", "sd3")[1]) == 1000
+    path.unlink()
+    if damage == "another shipped file":
+        shutil.copy(SETS / "pickscore" / "test.txt.gz", path)
+    elif damage == "edited":
+        path.write_bytes(gzip.compress(gzip.decompress((SETS / "drawbench" / "test.txt.gz").read_bytes()) + b"x\n"))
+    elif damage == "not gzip":
+        path.write_bytes(gzip.decompress((SETS / "drawbench" / "test.txt.gz").read_bytes()))
+    else:
+        os.mkfifo(path)
+    error = within(10, lambda: common.load_prompts("drawbench", "sd3"))
+    assert str(error) == f"--prompts drawbench: {path} is not the file pinned (8d96e7cf7017ce6ce299a6eec96e21467a2ac7" \
+                         f"aa), changed or damaged since: restore it (git checkout -- assets/prompt_sets)", error
+
+
+def test_an_hpdv2_cache_of_plain_files_is_checked_against_the_hubs_blob_of_its_bytes(empty_hub, monkeypatch):
+    """A hub cache copied without its links (cp -rL) keeps each file's bytes and its blob, named by their hash: a
+    file changed since is refused, as in a cache with links; before, a plain file was never compared."""
+    good = json.dumps([{"prompt": "a cat"}])
+    paths = cache_fetched(empty_hub, "hpdv2", good, json.dumps([{"prompt": "a fox"}]), monkeypatch)
+    for path in paths:  # the links replaced by copies of their blobs
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+    assert common.load_prompts("hpdv2", "flux") == ([{"prompt": "a cat"}], [{"prompt": "a fox"}])
+    paths[0].write_text(good.replace("cat", "dog"))
+    error = within(10, lambda: common.load_prompts("hpdv2", "flux"))
+    assert str(error) == f"--prompts hpdv2: {paths[0]} is not the file pinned (the hub's blob of its bytes), changed " \
+                         f"or damaged since: delete it, then fetch it with `HF_HUB_OFFLINE=0 python common.py " \
+                         f"fetch-prompts hpdv2`", error
+    paths[0].write_text(good)
+    shutil.rmtree(paths[0].parents[2] / "blobs")  # the bytes as they were, but nothing names them
+    assert isinstance(within(10, lambda: common.load_prompts("hpdv2", "flux")), common.UsageError)
 
 
 def test_a_set_is_recorded_with_its_revision_and_read_only_at_it():
@@ -173,7 +217,7 @@ def test_a_fetch_keeps_only_the_pinned_file_and_leaves_nothing_half_written(tmp_
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
     good = "".join(f"a poster that says \"{i}\"\n" for i in range(50)).encode()
     path = "dataset/ocr/train.txt"
-    monkeypatch.setitem(common.PROMPT_SETS, "ocr", ((path, git_blob_id(good)), "ocr/test.txt.gz"))
+    monkeypatch.setitem(common.PROMPT_SETS, "ocr", ((path, git_blob_id(good)), common.PROMPT_SETS["ocr"][1]))
     url_path = f"/{common.FLOW_GRPO}/{common.REVISIONS[common.FLOW_GRPO]}/{path}"
     cached = hub / "prompt-sets" / common.FLOW_GRPO / common.REVISIONS[common.FLOW_GRPO] / path
     for body, declared, why in [(good[:100], len(good), r"not fetched \(IncompleteRead"),  # cut short

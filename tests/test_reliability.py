@@ -297,8 +297,11 @@ def test_a_refused_start_on_a_full_disk_leaves_nothing(tmp_path):
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rt = common.setup_runtime(0, 1)
-    dirs = {common.prepare_run(flow_grpo.Args(), rt, "flow_grpo").dir for _ in range(3)}  # within one second
-    assert len(dirs) == 3 and all(d.is_dir() and d.name.startswith("flow_grpo-toy-") for d in dirs)
+    dirs = [common.prepare_run(flow_grpo.Args(), rt, "flow_grpo").dir for _ in range(3)]  # within one second
+    assert len(set(dirs)) == 3 and all(d.name.startswith("flow_grpo-toy-") for d in dirs)
+    assert os.listdir(dirs[2]) == [".lock"] and not any(d.exists() for d in dirs[:2])  # released, made and left empty
+    common._release_folder()
+    assert os.listdir("runs") == []
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
@@ -354,10 +357,10 @@ def test_trainable_tensors_that_do_not_fit_are_refused_in_one_line(tmp_path):
     a = tmp_path / "a"
     run(flow_grpo, [*tiny(), "--iterations", "1", "--output-dir", str(a)])
     saved = trained_params(a, 1)
-    wrong = [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]
+    wrong = [torch.nn.Parameter(t) for t in [torch.zeros(8, *saved[0].shape[1:]), *map(torch.zeros_like, saved[1:])]]
     refused = "is not a checkpoint this code wrote: state/ does not load ("
     with pytest.raises(common.UsageError, match=re.escape(refused) + r"ValueError: Size mismatch") as e:
-        common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, None, None)
+        common.load_checkpoint(a / "checkpoints" / "iter_000001", wrong, torch.optim.AdamW(wrong), None)
     assert "\n" not in str(e.value)
     with pytest.raises(common.UsageError, match=re.escape(f"{refused}ValueError: it holds {len(saved)} trainable "
                                                           f"tensors and this model 1)")):
@@ -386,7 +389,7 @@ def test_a_methods_extra_state_is_saved_and_restored_bitwise(tmp_path):
     assert all(a is b for a, b in zip((into["old"], *into["pair"]), same, strict=True))   # in place
     assert torch.equal(into["old"], old) and all(torch.equal(a, b) for a, b in zip(into["pair"], pair, strict=True))
     with pytest.raises(common.UsageError, match=re.escape(f"{without} is not a checkpoint this code wrote: state/ "
-                                                          f"does not load (") + ".*extra.old") as e:
+                                                          f"does not load (ValueError: it holds params, not ")) as e:
         common.load_checkpoint(without, params, optimizer, None, into)
     assert "\n" not in str(e.value)
 
@@ -423,8 +426,15 @@ def rewrite_state(keep):
         state = keep(training_state(checkpoint))
         shutil.rmtree(checkpoint / "state")
         common.single_process(dcp.save, state, checkpoint / "state")
-        signed(checkpoint, "state", common.state_digest(checkpoint / "state"))
+        resign(checkpoint)
     return damage
+
+
+def resign(checkpoint, **changes):
+    """checkpoint.json with `changes` and the digest of the files there now, signed again as other code could."""
+    info = {**common.read_own_json(checkpoint / "checkpoint.json"), **changes}
+    info["files"] = common.checkpoint_digest(checkpoint, sorted(info["files"]))
+    (checkpoint / "checkpoint.json").write_text(common.own_json(info))
 
 
 def signed(checkpoint, key, value=None):
@@ -451,11 +461,39 @@ def edit(key, value):
 
 
 STATE, JSON = "state/ does not load (", "checkpoint.json "
-DIGEST = STATE + "ValueError: its files are not those checkpoint.json's digest names: changed since, or another's)"
+DIGEST = "{} is not the file its checkpoint.json's digest names (changed since, or another's)"
+NOT_WRITTEN = STATE + "ValueError: not finite, or an optimizer step or loss scaling this code does not write)"
+NOT_NAMED = JSON + "holds a digest that does not name the files a save writes, each by its sha256"
+WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
+def published_bit_flipped(checkpoint):
+    """A bit flipped in the published weights, which a resume does not read but evaluate does: still finite."""
+    path = checkpoint / WEIGHTS
+    weights = safetensors.torch.load_file(path)
+    key = sorted(weights)[0]
+    weights[key].view(-1).view(torch.int32)[0] ^= 1
+    safetensors.torch.save_file(weights, path)
+
+
+def an_earlier_versions(checkpoint):
+    """checkpoint.json as the previous version wrote it: a digest of state/ alone, under "state"."""
+    info = common.read_own_json(checkpoint / "checkpoint.json")
+    info["state"] = {k[6:]: v for k, v in info.pop("files").items() if k.startswith("state/")}
+    (checkpoint / "checkpoint.json").write_text(common.own_json(info))
+
+
+def digest_with(change):
+    """checkpoint.json signed again with its digest changed by change(files)."""
+    return lambda c: signed(c, "files", change(dict(common.read_own_json(c / "checkpoint.json")["files"])))
+
+
 DAMAGES = {
-    "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + "RuntimeError: Missing key"),
-    "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + "RuntimeError: Missing key in "
-                                                                                  "checkpoint state_dict: params.0"),
+    "only an iteration": (rewrite_state(lambda s: {"iteration": 1}), STATE + "ValueError: it holds iteration, not "
+                                                                             "what checkpoint.json and this run name)"),
+    "no params": (rewrite_state(lambda s: {"optimizer": s["optimizer"]}), STATE + "ValueError: it holds optimizer, not "
+                                                                                  "what checkpoint.json and this run "
+                                                                                  "name)"),
     "no parameter groups": (rewrite_state(lambda s: {**s, "optimizer": {"state": s["optimizer"]["state"]}}),
                             STATE + "RuntimeError: Missing key in checkpoint state_dict: optimizer.param_groups.0"),
     "no optimizer state": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {}}}),
@@ -463,15 +501,24 @@ DAMAGES = {
     "optimizer tensors of another shape": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
         **s["optimizer"]["state"], "0": {**s["optimizer"]["state"]["0"], "exp_avg": torch.zeros(3)}}}}),
         STATE + "ValueError: Size mismatch"),
-    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), DIGEST),
+    "no state": (lambda checkpoint: shutil.rmtree(checkpoint / "state"), DIGEST.format("state/.metadata")),
     "a NaN in state/": (rewrite_state(lambda s: {**s, "params": {**s["params"], "0": s["params"]["0"].index_fill(
-        0, torch.tensor([0]), math.nan)}}), STATE + "ValueError: not finite, or a loss scale not above 0)"),
-    "a bit flipped in state/": (flip_a_bit, DIGEST),
-    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]), DIGEST),
-    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), DIGEST),
-    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]), DIGEST),
+        0, torch.tensor([0]), math.nan)}}), NOT_WRITTEN),
+    "AdamW's step -5": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
+        k: {**v, "step": torch.tensor(-5.0)} for k, v in s["optimizer"]["state"].items()}}}), NOT_WRITTEN),
+    "AdamW's step 1.5": (rewrite_state(lambda s: {**s, "optimizer": {**s["optimizer"], "state": {
+        k: {**v, "step": torch.tensor(1.5)} for k, v in s["optimizer"]["state"].items()}}}), NOT_WRITTEN),
+    "a bit flipped in state/": (flip_a_bit, DIGEST.format("state/__0_0.distcp")),
+    "a bit flipped in the published weights": (published_bit_flipped, DIGEST.format(WEIGHTS)),
+    "no published weights": (lambda checkpoint: shutil.rmtree(checkpoint / "transformer"),
+                             DIGEST.format("transformer/config.json")),
+    "a truncated .metadata": (write("state/.metadata", lambda p: p.read_bytes()[:1000]),
+                              DIGEST.format("state/.metadata")),
+    "a garbage .metadata": (write("state/.metadata", b"\x80\x04garbage"), DIGEST.format("state/.metadata")),
+    "a truncated tensor file": (write("state/__0_0.distcp", lambda p: p.read_bytes()[:p.stat().st_size // 2]),
+                                DIGEST.format("state/__0_0.distcp")),
     "a FIFO for a tensor file": (lambda c: (c / "state" / "__0_0.distcp").unlink() or os.mkfifo(
-        c / "state" / "__0_0.distcp"), DIGEST),
+        c / "state" / "__0_0.distcp"), DIGEST.format("state/__0_0.distcp")),
     "no checkpoint.json": (lambda checkpoint: (checkpoint / "checkpoint.json").unlink(), "no checkpoint there"),
     "checkpoint.json an array": (write("checkpoint.json", b"[1, 2, 3]"), JSON + "is a JSON list, not an object"),
     "checkpoint.json empty": (write("checkpoint.json", b""), JSON + "does not read (JSONDecodeError: Expecting value"),
@@ -486,9 +533,26 @@ DAMAGES = {
                                                              JSON + f"holds {key} {value!r}, not a value this code "
                                                                     f"writes") for key, value in [
         ("iteration", "3"), ("iteration", 1.5), ("iteration", -5), ("iteration", True), ("elapsed", "abc"),
-        ("elapsed", math.nan), ("elapsed", math.inf), ("lora_alpha", -1.0), ("ema", 0), ("state", [])]},
+        ("elapsed", math.nan), ("elapsed", math.inf), ("lora_alpha", -1.0), ("ema", 0), ("files", []),
+        ("log_bytes", 2**70), ("world_size", 0), ("tensors", 0), ("lora_rank", 5000), ("iteration", 10**10),
+        ("world_size", 1.0)]},
     **{f"checkpoint.json signed again without {key}": (lambda c, key=key: signed(c, key), JSON + f"holds {key} None")
-       for key in ("model", "trainer", "world_size", "state", "loss_scale")},  # no state: written before digests
+       for key in ("model", "trainer", "world_size", "files", "loss_scale")},
+    "a checkpoint of an earlier version (a digest of state/ alone)": (an_earlier_versions, JSON + "holds files None"),
+    "checkpoint.json signed again with an empty digest": (digest_with(lambda f: {}), NOT_NAMED),
+    "checkpoint.json signed again with a digest without the weights": (digest_with(
+        lambda f: {k: v for k, v in f.items() if k != WEIGHTS}), NOT_NAMED),
+    "checkpoint.json signed again with a digest naming one more file": (digest_with(
+        lambda f: {**f, "state/__1_0.distcp": "0" * 64}), NOT_NAMED),
+    "checkpoint.json signed again with a digest of what a missing file reads as": (
+        lambda c: (c / "state" / "__0_0.distcp").unlink() or digest_with(lambda f: {**f, "state/__0_0.distcp": (
+            common.file_sha256(c / "state" / "__0_0.distcp"))})(c), NOT_NAMED),
+    "checkpoint.json signed again with optimizer_stepped false": (lambda c: signed(c, "optimizer_stepped", False),
+                                                                 STATE + "ValueError: it holds optimizer, params, not "
+                                                                         "what checkpoint.json and this run name)"),
+    "checkpoint.json signed again with loss_scale true": (lambda c: signed(c, "loss_scale", True),
+                                                          STATE + "ValueError: it holds optimizer, params, not what "
+                                                                  "checkpoint.json and this run name)"),
     "checkpoint.json signed again with iteration 7": (lambda c: signed(c, "iteration", 7), JSON + "names iteration 7, "
                                                       "not that of its folder's name"),
 }
@@ -508,6 +572,51 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_nothing_is_written(damag
         assert err.endswith("; pass another checkpoint, or resume from an earlier one in a new --output-dir\n"), err
     assert message in err and snapshot(r) == before and sorted(os.listdir(r / "checkpoints")) == ["iter_000003",
                                                                                                 "latest"]
+
+
+def scaler_state(**changes):
+    return rewrite_state(lambda s: {**s, "scaler": {**s["scaler"], **changes}})
+
+
+LOSS_SCALING = {"a growth factor of inf": (scaler_state(growth_factor=math.inf), NOT_WRITTEN),
+                "a growth factor of 3": (scaler_state(growth_factor=3.0), NOT_WRITTEN),
+                "a backoff factor of 0": (scaler_state(backoff_factor=0.0), NOT_WRITTEN),
+                "a growth interval of 0": (scaler_state(growth_interval=0), NOT_WRITTEN),
+                "a loss scale of 0": (scaler_state(scale=0.0), NOT_WRITTEN),
+                "checkpoint.json signed again with loss_scale false": (
+                    lambda c: signed(c, "loss_scale", False), STATE + "ValueError: it holds optimizer, params, scaler, "
+                                                                      "not what checkpoint.json and this run name)")}
+
+
+@pytest.mark.parametrize("damage", LOSS_SCALING)
+def test_loss_scaling_this_code_does_not_write_is_refused(damage, tmp_path_factory, tmp_path, capsys):
+    """fp16's GradScaler state in state/ is a fresh GradScaler's settings and a scale in (0, inf), or the checkpoint
+    is refused: before, a growth factor of inf was loaded, trained on and saved again."""
+    fp16 = ["--dtype", "fp16", *TOY, "--eval-every", "0"]
+    saved = tmp_path_factory.getbasetemp() / "fp16-run"
+    if not saved.exists():
+        run(flow_grpo, [*fp16, "--iterations", "1", "--output-dir", str(saved)])
+    r = tmp_path / "r"
+    shutil.copytree(saved, r)
+    ckpt = r / "checkpoints" / "iter_000001"
+    harm, message = LOSS_SCALING[damage]
+    harm(ckpt)
+    before = snapshot(r)
+    err = one_error_line(capsys, flow_grpo, [*fp16, "--iterations", "2", "--resume", str(r)])
+    assert f"error: {ckpt} is not a checkpoint this code wrote: {message}" in err and snapshot(r) == before, err
+
+
+def test_a_refused_resume_into_a_new_folder_leaves_no_folder(run_at_3, tmp_path, capsys):
+    """The refusal comes once the model has loaded (state/ is checked then): the new --output-dir it made, which
+    held only its .lock, is gone, and the checkpoint's folder is as it was."""
+    r = tmp_path / "r"
+    shutil.copytree(run_at_3, r)
+    flip_a_bit(r / "checkpoints" / "iter_000003")
+    before = snapshot(r)
+    err = one_error_line(capsys, flow_grpo, [*TOY, "--iterations", "5", "--resume", str(r), "--output-dir",
+                                             str(tmp_path / "new")])
+    assert "is not a checkpoint this code wrote" in err and snapshot(r) == before
+    assert sorted(os.listdir(tmp_path)) == ["r"]
 
 
 @pytest.fixture(scope="module")
@@ -540,8 +649,8 @@ def a_rollback(r, other):
     shutil.copytree(r / "checkpoints" / "iter_000001", r / "checkpoints" / "iter_000004")
 
 
-LIES = {"another run's state/": (another_runs_state, "iter_000003", DIGEST),
-        "a link to an earlier state/": (an_earlier_state, "iter_000003", DIGEST),
+LIES = {"another run's state/": (another_runs_state, "iter_000003", DIGEST.format("state/.metadata")),
+        "a link to an earlier state/": (an_earlier_state, "iter_000003", DIGEST.format("state/.metadata")),
         "a checkpoint copied from another run": (a_copied_checkpoint, "iter_000003", "{r}/metrics.jsonl does not "
                                                  "begin with the lines logged before it was saved (a copy's "
                                                  "checkpoint, or an edited log)"),

@@ -87,6 +87,7 @@ def test_a_dead_server_stops_the_run_within_the_retries():
     ({"scores": [1.0, 1e39]}, "finite in Python, inf in float32"),
     ({"scores": ["0.5", 1.0]}, "a string"),
     ({"scores": [True, 1.0]}, "a boolean"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep for json (a RecursionError)"),
 ])
 def test_a_wrong_answer_is_an_error_never_a_zero(reply, what):
     with fake_server(reply) as url:
@@ -302,6 +303,10 @@ def test_a_malformed_content_length_is_a_400_and_a_client_that_resets_is_one_log
                                          "known): pass another --port or --host"),
     (["--port", "BUSY"], "Address already in use): pass another --port or --host"),
     (["--port", "70000"], "cannot serve at 127.0.0.1:70000 (bind(): port must be 0-65535.)"),
+    (["--device", "bogus"], "error: --device bogus cannot be used (RuntimeError: Expected one of cpu"),
+    (["--device", "cuda"], "error: --device cuda cannot be used ("),    # this machine has no GPU: every request a 500
+    (["--device", "cpu:x"], "error: --device cpu:x cannot be used ("),
+    (["--timeout", "1e10"], "error: --timeout 10000000000.0 must be at least 0.001 and at most 1000000000.0"),
 ])
 def test_the_server_refuses_an_address_it_cannot_serve_in_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setitem(common.REWARDS, "jpeg", lambda device: pytest.fail("the scorer loaded"))
@@ -370,9 +375,24 @@ def test_a_reward_weight_beyond_float32_is_refused():
 
 
 def test_bad_remote_specs_name_the_syntax():
-    for spec in ["remote:127.0.0.1:8000/jpeg", "remote:http://127.0.0.1:8000/", "remote:http://h:1/x:heavy"]:
+    for spec in ["remote:127.0.0.1:8000/jpeg", "remote:http://127.0.0.1:8000/", "remote:http://h:1/x:heavy",
+                 "remote:http://[::1/x", "remote:http://127.0.0.1:99999/x", "remote:http://127.0.0.1:0/x",
+                 "remote:http://127.0.0.1:port/x", "remote:http://:8000/x", "remote:http://[::1]:65536/x"]:
         with pytest.raises(common.UsageError, match="remote:http://HOST:PORT/NAME|bad weight"):
             common.parse_reward_spec(spec)
+    assert common.parse_reward_spec("remote:http://[::1]:65535/x:2") == [("remote:http://[::1]:65535/x", 2.0)]
+
+
+@pytest.mark.parametrize("url", ["http://[::1/x", "http://127.0.0.1:99999/x"])
+def test_a_remote_url_that_does_not_parse_is_refused_before_anything_is_built(url, tmp_path, capsys, monkeypatch):
+    """Before: it passed the start-up, the model loaded, and four tries failed as "not JSON" or as a traceback."""
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as stop:
+        common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS,
+                       ["--reward", f"remote:{url}", "--output-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"bad or repeated remote reward 'remote:{url}'" in err, err
+    assert "(a PORT in 1-65535)" in err and len(err.splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
 # ---- helpers ----

@@ -1,9 +1,11 @@
 """A preempted run keeps its work: SIGTERM during the rollout stops at the next rollout micro-batch and saves the
 iteration's starting state (the rollout is dropped, no optimizer step has run); during the update, the update
 finishes and its result is saved. Either checkpoint resumes bitwise into the run that was never stopped."""
+import contextlib
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -243,3 +245,103 @@ def test_a_closed_or_full_stdout_or_stderr_stops_the_printing_not_the_run(script
     else:
         assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "iter_000002"
         assert [m["iteration"] for m in read_metrics(tmp_path / "r")] == [0, 1, 2]
+
+
+def closed(cmd: list, streams: str, **kwargs) -> subprocess.CompletedProcess:
+    """Runs `cmd` with stdout (">&-"), stderr ("2>&-") or both closed, as daemons and some schedulers start jobs:
+    Python then has no sys.stdout / sys.stderr (None), unlike a pipe whose reader has gone."""
+    return subprocess.run(["sh", "-c", f'exec "$@" {streams}', "sh", *map(str, cmd)], capture_output=True, text=True,
+                          env=ENV, timeout=300, **kwargs)
+
+
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.slow) if t != "flow_grpo" else t
+                                     for t in TRAINERS])
+def test_a_closed_stdout_and_stderr_stop_the_printing_not_the_run(trainer, tmp_path):
+    """flow_grpo runs to its end with either stream closed (before: `>&-` died before the run folder was made, `2>&-`
+    exited 1 silently), the others (slow) with both; a refusal keeps its exit status 2 (every trainer: below)."""
+    base = [sys.executable, ROOT / f"{trainer}.py", "--model", "toy", *SMALL, *own(trainer, "FITS_SMALL"),
+            "--iterations", "1", "--eval-every", "1", "--eval-images", "2"]
+    for streams in [">&-", "2>&-"] if trainer == "flow_grpo" else [">&- 2>&-"]:
+        r = tmp_path / streams.replace(">&-", "x").replace(" ", "")
+        out = closed([*base, "--output-dir", r], streams)
+        assert out.returncode == 0, (streams, out.stderr[-2000:])
+        assert (r / "checkpoints" / "latest").read_text() == "iter_000001", streams
+        assert [m["iteration"] for m in read_metrics(r)] == [0, 1], streams
+        assert out.stdout == "" if streams.startswith(">&-") else "it " in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_a_refusal_with_closed_streams_keeps_its_exit_status(trainer, tmp_path):
+    refused = closed([sys.executable, ROOT / f"{trainer}.py", "--seed", "-1", "--output-dir", tmp_path / "never"],
+                     ">&- 2>&-")
+    assert refused.returncode == 2 and not (tmp_path / "never").exists()
+
+
+def test_evaluate_serve_reward_and_fetch_prompts_run_on_with_closed_streams(tmp_path):
+    """evaluate writes results.json (before: it evaluated everything and died first), fetch-prompts reads a shipped
+    set, serve-reward answers a request; a refusal keeps exit status 2."""
+    common_py, out = [sys.executable, ROOT / "common.py"], tmp_path / "out"
+    done = closed([*common_py, "evaluate", "--model", "toy", "--images", "2", "--output", out], ">&-")
+    assert done.returncode == 0 and (out / "results.json").is_file() and (out / "grid.png").is_file(), done
+    assert closed([*common_py, "fetch-prompts", "drawbench"], "2>&-").returncode == 0
+    assert closed([*common_py, "evaluate", "--model", "toy", "--images", "0"], ">&- 2>&-").returncode == 2
+    assert closed([*common_py, "fetch-prompts", "bogus"], ">&- 2>&-").returncode == 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["sh", "-c", 'exec "$@" >&- 2>&-', "sh", *map(str, common_py), "serve-reward", "--reward",
+                             "jpeg", "--port", str(port)], env=ENV)
+    try:
+        scores, deadline = None, time.time() + 120
+        while scores is None:
+            assert proc.poll() is None and time.time() < deadline, proc.returncode
+            with contextlib.suppress(common.TrainingStopped):
+                scores = common.RemoteReward(f"http://127.0.0.1:{port}/jpeg", timeout=10, retries=0)(
+                    torch.rand(2, 3, 8, 8), ["a", "b"])
+            time.sleep(0.2)
+        assert scores.shape == (2,) and torch.isfinite(scores).all()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+STARTING = """import sys, time, pathlib
+sys.path.insert(0, {root!r})
+import common, flow_grpo
+load = common.load_model
+def slow(*args, **kwargs):  # the run folder is made; the model is loading
+    pathlib.Path({flag!r}).touch()
+    time.sleep(60)
+common.load_model = slow
+common.run_cli(flow_grpo.main, flow_grpo.Args, flow_grpo.MODEL_DEFAULTS)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_at_any_moment_of_start_up_is_one_line_and_leaves_no_folder_it_made(signum, tmp_path):
+    """While the libraries load (before: a 30-line KeyboardInterrupt traceback, or SIGABRT), and once the run folder
+    is made while the model loads (before: a line, then the stop once the model had loaded): one line, exit status
+    128 + the signal, and the new run folder, which held only its lock, gone."""
+    name = signal.Signals(signum).name
+    for delay in (0.3, 1.0):  # importing torch takes seconds
+        out = tmp_path / f"run{delay}"
+        proc = subprocess.Popen([sys.executable, ROOT / "flow_grpo.py", "--model", "toy", *SMALL, "--output-dir", out],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        time.sleep(delay)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum and err.splitlines() == [f"flow_grpo.py: stopped by {name}"], err
+        assert not out.exists()
+    script, flag, out = tmp_path / "script.py", tmp_path / "loading", tmp_path / "run"
+    script.write_text(STARTING.format(root=str(ROOT), flag=str(flag)))
+    proc = subprocess.Popen([sys.executable, script, "--model", "toy", *SMALL, "--output-dir", out],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 120
+    while not flag.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert (out / ".lock").is_file()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum and err.splitlines()[-1:] == [f"script.py: stopped by {name}"], err
+    assert "Traceback" not in err and not out.exists()

@@ -4,17 +4,22 @@ every trainer, and each trainer's own STARTUP rows from its tests/test_<trainer>
 needs at the SMALL sizes), so a forked trainer brings its rows with its test file. {tmp} in a flag is the test's
 folder, {tiny-flux} / {tiny-sd3} the tiny pipelines. Then what is not a start-up: a full disk while logging or
 writing a grid, prompt files that must be read, an optimizer step that overflows the weights."""
+import datetime
 import importlib
 import json
 import os
 import re
+import select
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import common
-from helpers import SMALL, TRAINERS, own, tiny_argv
+from helpers import ROOT, SMALL, TRAINERS, own, tiny_argv
 
 
 def small_run(trainer: str) -> list[str]:
@@ -129,8 +134,10 @@ LAUNCHER = [
     ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_RANK=0 and LOCAL_WORLD_SIZE=0: torchrun sets integers, 0 <= LOCAL_RANK < "
                                 "LOCAL_WORLD_SIZE; launch with torchrun, or unset those left in the shell"),
     ({"RANK": "1"}, "RANK=1 and WORLD_SIZE=1: torchrun sets integers, 0 <= RANK < WORLD_SIZE"),  # a stale RANK
-    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without torchrun's MASTER_ADDR and MASTER_PORT: launch with torchrun, or "
-                          "unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without torchrun's MASTER_ADDR and MASTER_PORT (a port 1-65535; "
+                          "MASTER_PORT=''): launch with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "(a port 1-65535; MASTER_PORT='99999')"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}, "(a port 1-65535; MASTER_PORT='0')"),
     ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "x"}, "WORLD_SIZE=2 without"),
     ({"RANK": "x"}, "RANK=x and WORLD_SIZE=1: torchrun sets integers"),
     ({"WORLD_SIZE": "2.0"}, "RANK=0 and WORLD_SIZE=2.0: torchrun sets integers"),
@@ -151,6 +158,95 @@ def test_the_launchers_variables_each_earn_one_line(env, words, tmp_path, capsys
     err = one_line(capsys, module, [*small_run(TRAINERS[0]), "--output-dir", str(out)])
     assert "error: " in err and words in err, err
     assert not out.exists()
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def test_a_rank_waiting_for_the_others_says_what_it_waits_for_then_gives_up_in_one_line(capsys, monkeypatch):
+    """A full set of torchrun's variables left in a shell, no other rank (not torchrun's worker): at once one line says
+    what this rank waits for (the world size, the address and port) and how long; at that limit (here 1 s, shortened),
+    one line and exit status 2 (before: no line of ours, for 30 minutes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])                  # nothing listens there
+    env = {**ENV, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    proc = subprocess.Popen([sys.executable, "-c", "import common; common.setup_runtime(0, 1)"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line, deadline = "", time.time() + 60  # the imports, then at once
+        while not line.startswith("rank 1:"):
+            assert select.select([proc.stderr], [], [], max(0.0, deadline - time.time()))[0], "no line within 60 s"
+            line = proc.stderr.readline()
+            assert line, proc.wait()
+        assert line.strip() == f"rank 1: waiting for the 2 ranks of WORLD_SIZE at 127.0.0.1:{port} (MASTER_ADDR:" \
+                               f"MASTER_PORT); gives up after 30 min without them (a rank other than 0 retries once)"
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.communicate()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(common.dist, "default_pg_timeout", datetime.timedelta(seconds=1))
+    with pytest.raises(SystemExit) as stop:
+        common.setup_runtime(0, 1)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rank")]
+    assert stop.value.code == 2 and not common.dist.is_initialized() and len(err) == 2, err
+    assert err[1].startswith(f"rank 1: the 2 ranks did not all join at 127.0.0.1:{port} (DistNetworkError: ") and \
+        err[1].endswith("): launch them with torchrun, or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"), err
+
+
+def test_an_unusable_inductor_cache_is_one_line_under_compile_and_costs_nothing_without(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """TORCHINDUCTOR_CACHE_DIR under a file: torch makes that folder when diffusers imports it, compiled or not
+    (before: a traceback in every trainer and evaluate); without --compile the run goes on."""
+    (tmp_path / "a_file").write_text("")
+    cache = tmp_path / "a_file" / "cache"
+    argv = [sys.executable, ROOT / "flow_grpo.py", "--model", "toy", *SMALL, "--iterations", "1", "--eval-every", "0"]
+    done = subprocess.run([*map(str, argv), "--output-dir", str(tmp_path / "r")], capture_output=True, text=True,
+                          env={**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "r" / "checkpoints" / "latest").is_file(), done.stderr[-2000:]
+    module = importlib.import_module(TRAINERS[0])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    err = one_line(capsys, module, [*small_run(TRAINERS[0]), "--compile", "--output-dir", str(tmp_path / "out")])
+    assert f"error: cannot write to TORCHINDUCTOR_CACHE_DIR {cache} (Not a directory): pass a writable folder" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_without_a_cxx_compiler_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """Before: a traceback once the model had loaded, saying to rerun the same command."""
+    import torch._inductor.config
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for trainer in TRAINERS:
+        err = one_line(capsys, importlib.import_module(trainer), [*small_run(trainer), "--compile", "--output-dir",
+                                                                  str(tmp_path / "out")])
+        assert "error: --compile needs a C++ compiler (g++, or the one CXX names), not found here: install one, or " \
+               "drop --compile" in err, err
+    with pytest.raises(SystemExit) as stop:
+        common.evaluate_main(["--model", "toy", "--compile", "--output", str(tmp_path / "out")])
+    assert stop.value.code == 2 and "--compile needs a C++ compiler" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_on_a_cpu_without_native_bf16_says_it_will_be_slow(tmp_path):
+    """oneDNN limited to AVX2 stands in for a processor without AVX-512 BF16 or AMX (lscpu: no avx512_bf16, no
+    amx_bf16), where a bf16 matrix product is emulated, about 85x slower than float32's: one line at the start, and
+    none in float32 or where bf16 is native."""
+    code = "import common; common.setup_runtime(0, 1, {!r})"
+    avx2 = {**ENV, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    said = [subprocess.run([sys.executable, "-c", code.format(dtype)], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=120).stdout for dtype, env in [("bf16", avx2), ("fp32", avx2)]]
+    assert said == ["--dtype bf16: this CPU (AVX2) has neither AVX-512 BF16 nor AMX, so its bf16 matrix products are "
+                    "emulated and the run will take many times as long as in float32 (--dtype fp32; README, "
+                    "Precision)\n", ""], said
+    import torch
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    here = subprocess.run([sys.executable, "-c", code.format("bf16")], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=120).stdout
+    assert (here == "") == native, here
 
 
 def test_a_working_folder_that_cannot_be_written_names_output_dir(tmp_path, capsys, monkeypatch):
