@@ -216,10 +216,8 @@ FLUX_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "at
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                      "ff_context.net.2"]
 SD3_LORA_TARGETS = FLUX_LORA_TARGETS[:8]
-# FLUX.2's: every linear layer of every block. Its MLPs are linear_in / linear_out; a single block's input is one fused
-# attention-and-MLP projection and its output a Linear `attn.to_out`, a name whose suffix would also pick the double
-# blocks' to_out list, so Flux2Adapter names each single block's (FLUX.1's names would adapt the double blocks'
-# attention alone, a tenth of the blocks' weights, without an error)
+# FLUX.2's: every linear layer of every block (MLPs named linear_in, linear_out; a single block's fused attention-and-
+# MLP input, and its output `attn.to_out`, which Flux2Adapter names per block: the suffix picks the double blocks' list)
 FLUX2_LORA_TARGETS = SD3_LORA_TARGETS + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in",
                                          "ff_context.linear_out", "attn.to_qkv_mlp_proj"]
 
@@ -773,7 +771,7 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
     pre.add_argument("--model-path")
     model, path = vars(pre.parse_known_args(argv)[0]).values()
     parser = Parser(description=f"{doc} Defaults shown are those of --model {model}.")
-    table = {**(model_defaults or {}).get(model, {}), **(FLUX2_DISTILLED if distilled(model, path) else {})}
+    table = {**(model_defaults or {}).get(model, {}), **distilled_defaults(model, path)}
     defaults = {k: v for k, v in table.items() if k in fields}
     for f in fields.values():
         default = defaults.get(f.name, f.default)
@@ -1712,9 +1710,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         value = getattr(a, flag)
         return value if value is not None else run.get({"images": "eval_images", "steps": "eval_steps"}.get(
             flag, flag), fallback)
-    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", FLUX2_DISTILLED["eval_steps"] if
-                                                                      distilled(model, a.model_path) else
-                                                                      EVAL_DEFAULTS[model][1])
+    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", distilled_defaults(
+        model, a.model_path).get("eval_steps", EVAL_DEFAULTS[model][1]))
     images, seed, dtype = pick("images", 64), pick("seed", 0), pick("dtype")
     for flag, (low, high) in EVAL_BOUNDS.items():
         check_flag(flag, pick(flag), low, high)
@@ -2159,31 +2156,44 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-class FluxFamilyAdapter:
-    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens."""
-
-    transformer: torch.nn.Module
-    guidance_scale: float | None = None
+class Adapter:
+    """What every adapter shares: the velocity, its model's call (`_forward`) under autocast, in float32; with `cfg`,
+    classifier-free guidance, the empty prompt's conditioning (`negative`) and the prompt's in one batch."""
+    cfg, guidance_scale = False, None
 
     def velocity(self, net, x, t, cond):
         t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
-        guidance = torch.full((len(x),), float(self.guidance_scale), device=self.device, dtype=torch.float32) \
-            if self.transformer.config.guidance_embeds else None
-        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipeline does
-            out = net(hidden_states=x.to(self.weights_dtype), timestep=t, guidance=guidance,
-                      pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"],
-                      txt_ids=self.txt_ids, img_ids=self.img_ids, return_dict=False)[0]
-        return out.float()
+        if self.cfg:  # [negative, prompt] in one batch, as SD3's pipeline (FLUX.2's makes two calls)
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            cond = {k: torch.cat([self.negative[k].expand_as(v), v]) for k, v in cond.items()}
+        with autocast(self.device, self.dtype):  # t in float32: the transformer rounds it, as the pipelines do
+            out = self._forward(net, x.to(self.weights_dtype), t, cond).float()
+        if not self.cfg:
+            return out
+        uncond, text = out.chunk(2)
+        return uncond + self.guidance_scale * (text - uncond)
 
 
-class PipelineAdapter:
+class FluxFamilyAdapter(Adapter):
+    """Shared by FLUX and the toy model: a FluxTransformer2DModel on packed 2x2 latent tokens, no CFG."""
+
+    def _forward(self, net, x, t, cond):  # the guidance embedding of a guidance-distilled model
+        guidance = torch.full_like(t, float(self.guidance_scale)) if self.transformer.config.guidance_embeds else None
+        return net(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=cond["pooled"],
+                   encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids, img_ids=self.img_ids,
+                   return_dict=False)[0]
+
+
+class PipelineAdapter(Adapter):
     """What FLUX, SD3 and FLUX.2 share: a diffusers pipeline, every module frozen (_freeze_pipeline) until add_lora;
-    with `cfg`, classifier-free guidance, the empty prompt as the negative, both in one batch (as SD3's pipeline)."""
+    CFG (`cfg`) at a scale above 1, unless the model has none."""
 
     cfg = property(lambda self: self.guidance_scale > 1)
 
     def __init__(self, pipe, device, dtype, resolution: int, guidance_scale: float, max_sequence_length: int,
-                 offload_encoders: bool):
+                 offload_encoders: bool, multiple: int = 16):
+        if resolution % multiple or resolution <= 0:
+            raise UsageError(f"--resolution {resolution} must be a positive multiple of {multiple} for {self.name}")
         _freeze_pipeline(pipe, device, dtype, offload_encoders)
         self.pipe, self.transformer, self.vae = pipe, pipe.transformer, pipe.vae
         self.device, self.dtype, self.resolution, self.weights_dtype = device, dtype, resolution, weight_dtype(dtype)
@@ -2210,18 +2220,6 @@ class PipelineAdapter:
                 self.negative = self._encode([""])
             return self._encode(prompts)
 
-    def velocity(self, net, x, t, cond):
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).expand(len(x))
-        if self.cfg:  # [negative, prompt] in one batch
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            cond = {k: torch.cat([self.negative[k].expand_as(v), v]) for k, v in cond.items()}
-        with autocast(self.device, self.dtype):  # the timestep in float32, as the pipelines: bf16 makes 913.35 912
-            out = self._forward(net, x.to(self.weights_dtype), t, cond).float()
-        if not self.cfg:
-            return out
-        uncond, text = out.chunk(2)
-        return uncond + self.guidance_scale * (text - uncond)
-
     def vae_decode(self, latents):
         """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift, where the VAE has them)."""
         c = self.vae.config
@@ -2236,24 +2234,20 @@ class PipelineAdapter:
 class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
     """FLUX.1-dev: guidance-distilled (guidance embedding, no CFG), packed 2x2 latent tokens, dynamic shift."""
 
-    lora_targets, cfg = FLUX_LORA_TARGETS, False
+    lora_targets, cfg, name = FLUX_LORA_TARGETS, False, "FLUX"
 
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 3.5,
                  max_sequence_length: int = 512, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor
-        if resolution % (2 * f) or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {2 * f} for FLUX")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
-        self.h = 2 * (resolution // (2 * f))  # latent side before packing
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
+                         2 * pipe.vae_scale_factor)
+        self.h = resolution // pipe.vae_scale_factor  # latent side before packing
         self.channels = self.transformer.config.in_channels // 4
         self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
         self.txt_ids = None
 
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
-                                                                   max_sequence_length=self.max_sequence_length)
+    def _encode(self, prompts):
+        embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
+                                                               max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     def noise(self, n, generator=None):
@@ -2274,14 +2268,12 @@ class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
 class SD3Adapter(PipelineAdapter):
     """SD 3.5 Medium: CFG with the empty prompt as negative (one batch, as the pipeline), static shift 3, t * 1000."""
 
-    lora_targets = SD3_LORA_TARGETS
+    lora_targets, name = SD3_LORA_TARGETS, "SD3"
 
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float = 4.5,
                  max_sequence_length: int = 128, offload_encoders: bool = False):
-        f = pipe.vae_scale_factor * pipe.transformer.config.patch_size
-        if resolution % f or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for SD3")
-        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders)
+        super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
+                         pipe.vae_scale_factor * pipe.transformer.config.patch_size)
         self.h = resolution // pipe.vae_scale_factor
         self.channels = self.transformer.config.in_channels
 
@@ -2297,7 +2289,7 @@ class SD3Adapter(PipelineAdapter):
     def sigmas(self, num_steps):
         return sd3_sigmas(num_steps, self.pipe.scheduler.config.shift)
 
-    def _forward(self, net, x, t, cond):
+    def _forward(self, net, x, t, cond):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
         return net(hidden_states=x, timestep=t * 1000, encoder_hidden_states=cond["prompt_embeds"],
                    pooled_projections=cond["pooled"], return_dict=False)[0]
 
@@ -2306,33 +2298,29 @@ class SD3Adapter(PipelineAdapter):
         return self.vae_decode(x.float())
 
 
-# A step-distilled FLUX.2-klein (is_distilled in its model_index.json: the 4B and 9B that are not "base") samples in 4
-# steps without CFG: its defaults, over MODEL_DEFAULTS["flux2"] (the base model's) in the trainers and evaluate.
-FLUX2_DISTILLED = {"guidance_scale": 1.0, "sample_steps": 4, "eval_steps": 4}
-
-
-def distilled(model: str, path: str | None) -> bool:
-    """Whether --model flux2 --model-path `path` is step-distilled: its model_index.json (a hub repository's read
-    into the hub cache) says is_distilled. Not there, offline or not JSON: no; check_model names what is wrong."""
+def distilled_defaults(model: str, path: str | None) -> dict:
+    """A step-distilled FLUX.2-klein's defaults, over MODEL_DEFAULTS["flux2"] (the base model's) in the trainers and
+    evaluate: 4 steps without CFG, where --model-path's model_index.json (read into the hub cache) says is_distilled
+    (the 4B and 9B not named "base"); {} else, or if it does not read: check_model then names what is wrong."""
     with contextlib.suppress(Exception):
-        return model == "flux2" and bool(path) and not path.startswith("random") and json.loads(Path(hub_file(
-            path, "model_index.json")).read_text()).get("is_distilled") is True
-    return False
+        if model == "flux2" and path and not path.startswith("random") and json.loads(Path(hub_file(
+                path, "model_index.json")).read_text()).get("is_distilled") is True:
+            return {"guidance_scale": 1.0, "sample_steps": 4, "eval_steps": 4}
+    return {}
 
 
 class Flux2Adapter(PipelineAdapter):
-    """FLUX.2-klein: one Qwen3 text encoder (its layers 9, 18 and 27 side by side), latent tokens of 128 channels (2x2
-    patches of 32 VAE channels, scaled by a batch norm's statistics), 4-axis position ids, a shift of both the image's
-    size and the step count; the base model takes CFG with the empty negative, the step-distilled one none."""
+    """FLUX.2-klein: Qwen3's layers 9, 18 and 27 side by side, tokens of 2x2 patches of 32 VAE channels scaled by a
+    batch norm's statistics, 4-axis position ids, a shift of image size and step count; CFG unless step-distilled."""
 
     lora_targets = property(lambda self: FLUX2_LORA_TARGETS + [  # each single block's to_out by name
         f"single_transformer_blocks.{i}.attn.to_out" for i in range(len(self.transformer.single_transformer_blocks))])
 
+    name = "FLUX.2"
+
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float | None = None,
                  max_sequence_length: int = 512, offload_encoders: bool = False):
         f, distilled, where = 2 * pipe.vae_scale_factor, pipe.config.is_distilled, pipe.name_or_path or "the model"
-        if resolution % f or resolution <= 0:
-            raise UsageError(f"--resolution {resolution} must be a positive multiple of {f} for FLUX.2")
         if not pipe.scheduler.config.use_dynamic_shifting:  # its grid would be a static shift's
             raise UsageError(f"{where}: its scheduler config does not ask for dynamic shifting, which FLUX.2's "
                              f"sampling grid is (common.flux2_sigmas): pass FLUX.2-klein's own --model-path")
@@ -2340,17 +2328,15 @@ class Flux2Adapter(PipelineAdapter):
             raise UsageError(f"--guidance-scale {guidance_scale}: {where} is step-distilled (is_distilled), which "
                              f"takes no CFG: pass --guidance-scale 1")
         super().__init__(pipe, device, dtype, resolution, guidance_scale or (1.0 if distilled else 4.0),
-                         max_sequence_length, offload_encoders)
-        self.h = resolution // f  # latent tokens per side
-        depth = pipe.text_encoder.config.num_hidden_layers  # the pipeline's layers; random:N's 1-layer encoder: its
-        self.text_layers = [min(k, depth) for k in (9, 18, 27)]  # last, thrice
+                         max_sequence_length, offload_encoders, f)
+        self.h, depth = resolution // f, pipe.text_encoder.config.num_hidden_layers  # latent tokens per side
+        self.text_layers = [min(k, depth) for k in (9, 18, 27)]  # the pipeline's; random:N's 1-layer encoder's last
         self.img_ids = pipe._prepare_latent_ids(torch.empty(1, 1, self.h, self.h))[0].to(device)       # (h h, 4)
         self.txt_ids = pipe._prepare_text_ids(torch.empty(1, max_sequence_length, 1))[0].to(device)    # (L, 4)
 
     def _encode(self, prompts):
-        """The pipeline's encode_prompt with only what it reads: each prompt in Qwen3's chat template (no thinking),
-        padded to max_sequence_length tokens, the hidden states of text_layers side by side. The causal LM's body keeps
-        those three states and computes no logits, where the pipeline keeps all 37 and 512 x 151,936 logits a prompt."""
+        """The pipeline's encode_prompt (Qwen3's chat template without thinking, max_sequence_length tokens, the states
+        of text_layers side by side) by the causal LM's body alone: 3 states, no logits (the pipeline keeps 37, 512)."""
         tok, encoder = self.pipe.tokenizer, self.pipe.text_encoder
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False) for p in prompts]
@@ -2360,8 +2346,7 @@ class Flux2Adapter(PipelineAdapter):
                                output_hidden_states=self.text_layers).hidden_states
         return {"prompt_embeds": torch.cat([states[k] for k in self.text_layers], -1)}  # (B, L, 3 x hidden)
 
-    def noise(self, n, generator=None):
-        """Drawn as the pipeline draws it, patchified latents (n, 128, h, h), then packed: (n, h h, 128)."""
+    def noise(self, n, generator=None):  # as the pipeline draws it, (n, 128, h, h) patchified, then packed
         x = torch.randn((n, self.transformer.config.in_channels, self.h, self.h), generator=generator)
         return rearrange(x, "n c h w -> n (h w) c").to(self.device)
 
@@ -2373,8 +2358,7 @@ class Flux2Adapter(PipelineAdapter):
                    img_ids=self.img_ids, return_dict=False)[0]
 
     @torch.no_grad()
-    def decode(self, x):
-        """Tokens -> the batch norm's statistics undone -> the 2x2 patches unfolded -> the VAE."""
+    def decode(self, x):  # tokens -> the batch norm's statistics undone -> the 2x2 patches unfolded -> the VAE
         bn, eps = self.vae.bn, self.vae.config.batch_norm_eps
         x = rearrange(x.float(), "n (h w) c -> n c h w", h=self.h)
         x = x * torch.sqrt(bn.running_var + eps)[:, None, None] + bn.running_mean[:, None, None]
@@ -2410,8 +2394,7 @@ class JpegCompressibility:
     def __call__(self, images, prompts, metadata=None):
         sizes = []
         for im in pil_images(images):
-            buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=95)
+            im.save(buf := io.BytesIO(), format="JPEG", quality=95)
             sizes.append(-buf.tell() / 1000)
         return torch.tensor(sizes, dtype=torch.float32, device=self.device)
 
@@ -2768,13 +2751,13 @@ def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dty
 
 
 def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
-    """The aesthetic predictor's head, published as Sequential(Linear, Dropout, Linear, Dropout, Linear, Dropout,
-    Linear, Linear), without its dropouts: dim -> 1024 -> 128 -> 64 -> 16 -> 1."""
-    sizes = [dim, 1024, 128, 64, 16, 1]
-    head = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
-    index = {0: 0, 2: 1, 4: 2, 6: 3, 7: 4}
+    """The aesthetic predictor's head as published (`layers`: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear,
+    Linear), its dropouts identities: dim -> 1024 -> 128 -> 64 -> 16 -> 1."""
+    lin, drop = torch.nn.Linear, torch.nn.Identity
+    head = torch.nn.Sequential(lin(dim, 1024), drop(), lin(1024, 128), drop(), lin(128, 64), drop(), lin(64, 16),
+                               lin(16, 1))
     state = torch.load(path, map_location="cpu", weights_only=True)
-    head.load_state_dict({f"{index[int(k.split('.')[1])]}.{k.split('.')[2]}": v for k, v in state.items()})
+    head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
     return head
 
 
