@@ -287,7 +287,7 @@ def test_a_fork_of_an_earlier_version_runs_after_fix_copies_with_no_hand_edit(tm
     assert capsys.readouterr().out.splitlines()[-1] == "tests/fix_copies.py --check: nothing was written"
     assert fix_copies.main([str(path)]) == 0
     said = capsys.readouterr().out.splitlines()
-    assert "my_method.py: updated the shared block 'setup-train' (3 line(s) in, 2 out), these out:" in said
+    assert "my_method.py: updated the shared block 'setup-train' (4 line(s) in, 3 out), these out:" in said
     assert "my_method.py: kept `W = rt.world_size` after the shared block 'validate': the block no longer binds W, " \
            "which main() reads" in said
     assert any(line.startswith("my_method.py: added `policy_step = step` after line ") for line in said)
