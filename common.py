@@ -18,8 +18,7 @@ import copy
 import dataclasses
 import gzip
 import hashlib
-import http.client
-import importlib
+import importlib.util
 import io
 import itertools
 import json
@@ -39,6 +38,7 @@ import time
 import traceback
 import urllib.parse
 import warnings
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from pathlib import Path
 
 
@@ -574,8 +574,7 @@ def cpu_threads(threads: int | None = None):
 
 
 def balance_threads():
-    """Between iterations (and evaluation batches): a rollout and its update run on the same threads, as a product's
-    bits can depend on their number, so the first update stays on-policy."""
+    """Sets the threads between iterations and evaluation batches, so a rollout and its update share them (README)."""
     now, last = time.monotonic(), _BALANCE.get("last")
     if not _BALANCE or last is not None and now - last[0] < 1.0:
         return
@@ -668,8 +667,7 @@ def check_flag(name: str, value, at_least: float | None = None, at_most: float |
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
-    """`python <trainer>.py ...`: runs main on the parsed command line, SIGTERM / SIGINT asking for a checkpoint and
-    stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
+    """`python <trainer>.py`: main on its command line, a signal asking for a checkpoint and stop, errors one line."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     streams = sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
@@ -850,8 +848,7 @@ def setup_training(args) -> Runtime:
     if args.lora_rank:
         check_flag("lora_alpha", args.lora_alpha, at_least=1e-12)
     check_model(args.model, args.model_path, args.reward)
-    from importlib.util import find_spec
-    if args.wandb and find_spec("wandb") is None:
+    if args.wandb and importlib.util.find_spec("wandb") is None:
         raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb")
     rt = setup_runtime(args.seed, args.threads, args.dtype, args.model, args.compile)
     if args.prompts_per_step % rt.world_size:
@@ -1098,9 +1095,8 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
-    """--lora-rank 0: float32 master weights, cast a block at a time; `ref` too, but its linear layers' weights in the
-    compute dtype, to which autocast casts the policy's: it computes as the policy starts, in half the memory; `shard`
-    (--fsdp): FSDP2 per block, then the root, gathered in --dtype, gradients float32, `ref` alike, float32 (README)."""
+    """--lora-rank 0: float32 master weights, cast a block at a time, and `ref`'s (unsharded, its linear layers' in the
+    compute dtype, as autocast casts the policy's: half the memory); `shard` (--fsdp): FSDP2 per block and root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # RMSNorm's float32 weight: unfused
@@ -1130,8 +1126,7 @@ class Run:
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
     """Decides the run folder and the checkpoint --resume continues before any model loads, and claims the folder
     until the run ends (rank 0 decides; every rank gets its answer or its UsageError; README, Outputs and metrics)."""
-    meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
-            "ema": args.ema}
+    meta = {"trainer": trainer, **{k: getattr(args, k) for k in ("model", "lora_rank", "lora_alpha", "ema")}}
     try:
         run = _prepare_run(args, meta, rt.world_size) if rt.is_main else None
     except UsageError as e:
@@ -1561,14 +1556,13 @@ def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: li
         return label_w + pad + c * (tw + pad) + (c // per_group) * 4 * pad
 
     canvas = Image.new("RGB", (x_of(cols - 1) + tw + pad, top + len(rows) * (th + pad) + pad), "white")
-    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    draw, font, resample = ImageDraw.Draw(canvas), ImageFont.load_default(), Image.NEAREST if th >= h else Image.BICUBIC
     for g, title in enumerate(groups or []):
         draw.text((x_of(g * per_group), 4), title, fill="black", font=font)
     for r, (prompt, images) in enumerate(rows):
         y = top + r * (th + pad) + pad
         draw.multiline_text((pad, y), "\n".join(textwrap.wrap(prompt, 32)[:th // 12]), fill="black", font=font)
         for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
-            resample = Image.NEAREST if th >= h else Image.BICUBIC
             canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
     canvas.save(buf := io.BytesIO(), format="PNG")
     write_atomic(path, buf.getvalue())
@@ -1594,17 +1588,14 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
         for i in bar:
             balance_threads()
-            chunk = mine[i: i + batch_size]
-            if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
-                prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
-                x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
-                reward_fn(adapter.decode(x), prompt, records[:1])
-                continue
-            recs = [records[j % P] for j in chunk]
-            prompts = [r["prompt"] for r in recs]
-            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
+            chunk = mine[i: i + batch_size]  # none on a rank with one image fewer: a batch that counts nothing, so
+            recs = [records[j % P] for j in chunk or [0]]  # that every rank makes the same collective calls (FSDP's
+            prompts = [r["prompt"] for r in recs]  # forwards, the reward's error check)
+            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk]) if chunk else adapter.noise(1)
             imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
             total, parts = reward_fn(imgs, prompts, recs)
+            if not chunk:
+                continue
             accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
             columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
             scores.update(zip(chunk, columns.double().cpu().tolist()))
@@ -1747,8 +1738,7 @@ def run_settings(checkpoint: Path, info: dict, fix: str | None = None) -> dict:
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
-    """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the trainers
-    evaluate) into adapter.transformer; weights not the checkpoint's, or that do not load, are not_written_here."""
+    """Loads a checkpoint's published weights (the EMA's if kept) into adapter.transformer, else not_written_here."""
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
     checkpoint_digest(checkpoint, PUBLISHED[lora], info)
@@ -1947,7 +1937,7 @@ class RemoteReward:
                         reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
                         break
                     failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
-                except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
+                except (OSError, HTTPException) as e:  # refused, reset, cut short, past the deadline
                     failure = f"did not answer ({type(e).__name__}: {e})"
                 except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
                     failure = f"sent {raw[:200].decode(errors='replace')!r}"
@@ -1971,18 +1961,21 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     """(HTTP status, reply body) of a JSON POST within `timeout` seconds in all, else TimeoutError. A socket's timeout
     restarts with each read (a trickling server never trips it), so a timer shuts the connection at the deadline."""
     u = urllib.parse.urlsplit(url)
-    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
-                                                                                                timeout=timeout)
+    conn = (HTTPSConnection if u.scheme == "https" else HTTPConnection)(u.netloc, timeout=timeout)
     deadline = time.monotonic() + timeout
     conn.connect()  # within the socket's timeout; the timer shuts the socket itself, which http.client sets
-    timer = threading.Timer(deadline - time.monotonic(), _shut, [conn.sock])  # conn.sock to None for a reply that
+
+    def shut(sock):  # from the timer's thread: a read blocked on it returns; a closed or unopened one (None) is left
+        with contextlib.suppress(OSError, AttributeError):
+            sock.shutdown(socket.SHUT_RDWR)
+    timer = threading.Timer(deadline - time.monotonic(), shut, [conn.sock])  # conn.sock to None for a reply that
     timer.start()  # will close (HTTP/1.0), then read through the reply
     try:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
             conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
         reply = conn.getresponse()
         status, raw = reply.status, reply.read()
-    except (OSError, http.client.HTTPException):
+    except (OSError, HTTPException):
         if time.monotonic() < deadline:
             raise
     finally:
@@ -1991,12 +1984,6 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     if time.monotonic() >= deadline:  # whatever came: a shut connection may read as a reply that ended
         raise TimeoutError(f"no complete reply within {timeout:g} s")
     return status, raw
-
-
-def _shut(sock):
-    """Ends a connection from any thread (a read blocked on it returns); a closed or unopened one (None) is left."""
-    with contextlib.suppress(OSError, AttributeError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 def serve_reward(argv=None):
