@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from einops import rearrange, repeat  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -667,7 +668,7 @@ def check_flag(name: str, value, at_least: float | None = None, at_most: float |
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
-    """`python <trainer>.py`: main on its command line, a signal asking for a checkpoint and stop, errors one line."""
+    """`python <trainer>.py`: main on its command line; a signal asks for a checkpoint and stop; errors are one line."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     streams = sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
@@ -1000,7 +1001,6 @@ class TrainingLoop:
                    for k, v in metrics.items()}
         append_line(self.run.dir / "metrics.jsonl", metrics)
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
-        from tqdm import tqdm
         with tqdm.external_write_mode():  # above the progress bar
             print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
                                                               if isinstance(metrics.get(k), (int, float))))
@@ -1584,7 +1584,6 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     shown = {i for i in range(min(num_images, P * max_cols)) if i % P < max_rows}
     scores, kept = {}, {}  # image index -> [weighted sum, *scorers, accuracy]; image index -> uint8 image for the grid
     batches = range(0, -(-num_images // runtime.world_size), batch_size)  # as many batches on every rank (FSDP)
-    from tqdm import tqdm
     with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
         for i in bar:
             balance_threads()
@@ -1658,8 +1657,7 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         checkpoint = None if spec == "base" else find_checkpoint(spec, "--checkpoint")
         info = checkpoint_info(checkpoint) if checkpoint else {}
         entries.append((spec, checkpoint, info, run_settings(checkpoint, info) if checkpoint else {}))
-    folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
-    if len(folders) == 2 and folders[0] == folders[1]:
+    if len(entries) == 2 and len({checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries}) == 1:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
                          f"two different ones")
     run = next((config for _, ckpt, _, config in entries if ckpt is not None), {})
