@@ -11,13 +11,14 @@ v = eps - x0, and the sampler runs t from 1 down to 0 on a grid 1 = t_0 > t_1 > 
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import contextlib
 import copy
 import dataclasses
 import gzip
 import hashlib
-import importlib
+import importlib.util
 import io
 import itertools
 import json
@@ -31,11 +32,13 @@ import signal
 import socket
 import stat
 import sys
+import textwrap
 import threading
 import time
 import traceback
 import urllib.parse
 import warnings
+from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from pathlib import Path
 
 
@@ -44,7 +47,7 @@ def _stopped(signum, frame):  # a signal with nothing to save (start-up, evaluat
     with contextlib.suppress(Exception):  # stderr closed; a signal while this file loads (no _release_folder yet)
         print(f"{' '.join(prog)}: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         _release_folder()  # a run folder this process made and left empty goes
-    os._exit(128 + signum)
+    os._exit(128 + signum)  # at once, not by an exception, which library code it lands in (a lazy import) may catch
 
 
 _main = Path(getattr(sys.modules["__main__"], "__file__", "/")).resolve()  # a trainer or common.py: a signal while the
@@ -55,6 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from einops import rearrange, repeat  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -497,13 +501,14 @@ class Runtime:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: the same on every device
 GPU_DTYPES = {"toy": "bf16", "flux": "bf16", "sd3": "fp16", "flux2": "bf16"}  # --dtype's on a GPU (README, Precision)
 COMPILING = collections.Counter(compiles=0, compile_s=0.0)  # --compile: the compiles so far and their seconds
+_BALANCE = {}  # the cores, their share and the last measurement of a run whose threads are not fixed
+_SIGNALLED = {"signum": 0, "blocking": False}  # the first SIGTERM / SIGINT's number; inside an `interruptible` block
 
 
 def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = None, model: str = "toy",
                   compile: bool = False) -> Runtime:
-    """Reads torchrun's env vars (RANK, WORLD_SIZE, LOCAL_RANK); nccl on GPU, gloo on CPU; seeds per rank. The compute
-    dtype is --dtype's on any device; unset, GPU_DTYPES[model] on a GPU and float32 on a CPU. Checks what --compile
-    needs; says what bf16 costs on a CPU without it, and what a rank outside torchrun waits for (README)."""
+    """torchrun's ranks (launcher), nccl on GPU, gloo on CPU, seeds per rank; the compute dtype --dtype's, unset
+    GPU_DTYPES[model] on a GPU, float32 on a CPU. Checks --compile's needs; says what bf16 costs on a CPU without it."""
     rank, world_size, local_rank = launcher()
     with contextlib.suppress(*() if compile else (UsageError,)):  # torch makes it uncompiled too (diffusers imports
         if cache := os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None):  # dynamo): unusable, its default then
@@ -544,8 +549,7 @@ def setup_runtime(seed: int, threads: int | None = None, dtype: str | None = Non
 
 def launcher() -> tuple[int, int, int]:
     """torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without them), checked as flags are (README)."""
-    v = {k: os.environ.get(k, default) for k, default in [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                                                          ("LOCAL_WORLD_SIZE", "1")]}
+    v = {**dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"), **os.environ}  # unset: one process
     for rank, size in [("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")]:
         if not (v[rank].isdecimal() and v[size].isdecimal() and int(v[rank]) < int(v[size])):
             raise UsageError(f"{rank}={v[rank]} and {size}={v[size]}: torchrun sets integers, 0 <= {rank} < {size}; "
@@ -558,8 +562,7 @@ def launcher() -> tuple[int, int, int]:
 
 
 def cpu_threads(threads: int | None = None):
-    """A CPU run's intra-op threads: `threads`, else the cores this process may use shared among torchrun's ranks on
-    the machine, less those other processes kept busy since the last balance_threads (/proc/stat; README, Threads)."""
+    """A CPU run's intra-op threads: `threads`, else its share of the cores less those others keep busy (README)."""
     _BALANCE.clear()
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     share = threads or max(1, len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -569,12 +572,8 @@ def cpu_threads(threads: int | None = None):
         balance_threads()  # the first measurement: the next call, a second or more later, sets the threads
 
 
-_BALANCE = {}  # the cores, their share and the last measurement of a run whose threads are not fixed
-
-
 def balance_threads():
-    """Between iterations (and evaluation batches): a rollout and its update run on the same threads, as a product's
-    bits can depend on their number, so the first update stays on-policy."""
+    """Sets the threads between iterations and evaluation batches, so a rollout and its update share them (README)."""
     now, last = time.monotonic(), _BALANCE.get("last")
     if not _BALANCE or last is not None and now - last[0] < 1.0:
         return
@@ -601,13 +600,11 @@ def print0(*args, **kwargs):
     print(*args, **kwargs, flush=True)
 
 
-@dataclasses.dataclass
 class _Stream:
     """stdout or stderr of a command: a write that fails (reader gone, disk full) stops the printing, not the run."""
-    stream: io.TextIOBase | None
 
-    def __post_init__(self):  # closed at start (>&-, 2>&-): Python has none; /dev/null takes its free descriptor
-        self.stream = self.stream or open(os.devnull, "w")  # (stdout first), which no file opened later can then take
+    def __init__(self, stream: io.TextIOBase | None):  # None: closed at start (>&-, 2>&-); /dev/null then takes its
+        self.stream = stream or open(os.devnull, "w")  # free descriptor (stdout first), which no later file can take
 
     def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...: each write has flushed, or failed
         return getattr(self.stream, name)
@@ -669,8 +666,7 @@ def check_flag(name: str, value, at_least: float | None = None, at_most: float |
 
 
 def run_cli(main, args_cls, model_defaults: dict, argv: list[str] | None = None):
-    """`python <trainer>.py ...`: runs main on the parsed command line, SIGTERM / SIGINT asking for a checkpoint and
-    stop (`signalled`), errors as one line (`one_line_errors`) after the loop's `after_failure` keeps what it can."""
+    """`python <trainer>.py`: main on its command line; a signal asks for a checkpoint and stop; errors are one line."""
     handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     TrainingLoop.active, _SIGNALLED["signum"] = None, 0
     streams = sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
@@ -709,9 +705,6 @@ def report(line: str, exit_code: int):
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                                   "timestamp": str(int(time.time()))}}}, f)
     sys.exit(exit_code)
-
-
-_SIGNALLED = {"signum": 0, "blocking": False}
 
 
 def _on_signal(signum, frame):
@@ -774,8 +767,7 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
     table = {**(model_defaults or {}).get(model, {}), **distilled_defaults(model, path)}
     defaults = {k: v for k, v in table.items() if k in fields}
     for f in fields.values():
-        default = defaults.get(f.name, f.default)
-        typ = str(f.type).replace(" | None", "")
+        default, typ = defaults.get(f.name, f.default), str(f.type).replace(" | None", "")
         help_ = f.metadata.get("help", "") + ("" if default is None else f" (default: {default})")
         kind = {"action": argparse.BooleanOptionalAction} if typ == "bool" else \
             {"type": {"int": int, "float": float}.get(typ, str), "choices": f.metadata.get("choices")}
@@ -795,10 +787,9 @@ def cli(args_cls, argv: list[str] | None = None, model_defaults: dict | None = N
 # Collectives: each is the identity (or a no-op) on one process.
 def broadcast_object(obj):
     """Rank 0's `obj` on every rank."""
-    if not dist.is_initialized():
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -856,8 +847,7 @@ def setup_training(args) -> Runtime:
     if args.lora_rank:
         check_flag("lora_alpha", args.lora_alpha, at_least=1e-12)
     check_model(args.model, args.model_path, args.reward)
-    from importlib.util import find_spec
-    if args.wandb and find_spec("wandb") is None:
+    if args.wandb and importlib.util.find_spec("wandb") is None:
         raise UsageError("--wandb needs the wandb package: pip install wandb, or drop --wandb")
     rt = setup_runtime(args.seed, args.threads, args.dtype, args.model, args.compile)
     if args.prompts_per_step % rt.world_size:
@@ -906,8 +896,7 @@ def check_model(name: str, path: str | None, reward: str | None = None):
 
 class TrainingLoop:
     """What a trainer's loop does around its method (the shared `loop` and `loop-end` blocks): the clock, evaluations,
-    the log, checkpoints, work counts, signal checks (README, Outputs and metrics). It loads --resume's checkpoint into
-    params, optimizer, EMA, the loss scale and `extra_state` (name -> tensor or tensors: the method's), saved alike."""
+    the log, checkpoints (--resume's loaded; a method's `extra_state`: name -> tensors), work counts, signal checks."""
     active: TrainingLoop | None = None  # the loop of the run under way in this process
 
     def __init__(self, args, run: Run, rt: Runtime, adapter, params: list, optimizer, ema: EMA | None,
@@ -924,8 +913,7 @@ class TrainingLoop:
                 run.checkpoint.resolve()) if run.checkpoint else None, "args": run.config}})
         if rt.is_main and not args_file.exists():  # the first start
             write_atomic(args_file, own_json(run.config))
-        self.t0 = time.time() - elapsed
-        self.wandb = None
+        self.t0, self.wandb = time.time() - elapsed, None
         if rt.is_main and args.wandb:
             import wandb
             self.wandb = wandb.init(project="flow-rl", config=dataclasses.asdict(args), name=run.dir.name)
@@ -981,21 +969,20 @@ class TrainingLoop:
     def after_failure(self, e: Exception):
         """Ends a run that `e` stopped with a TrainingStopped saying what was kept: re-raised unless the weights are
         intact; then the iteration's starting state is checkpointed if it has not stepped, else the newest is named."""
-        intact = e.save_state if isinstance(e, TrainingStopped) else not self.rt.distributed
-        if not intact:
+        stopped = isinstance(e, TrainingStopped)
+        if not (e.save_state if stopped else not self.rt.distributed):  # the weights are not intact
             raise e
-        what = str(e) if isinstance(e, TrainingStopped) else f"{type(e).__name__}: {e}"
-        if not isinstance(e, TrainingStopped):
+        what, code = (str(e) if stopped else f"{type(e).__name__}: {e}"), getattr(e, "exit_code", 1)
+        if not stopped:
             traceback.print_exception(e)
         if not self.dirty and self.it == self.run.start:  # the state it started from: nothing new to save
             signum = signalled(self.rt.device)
-            raise self.unsaved(f"{what}; no optimizer step had run", 128 + signum if signum else
-                               getattr(e, "exit_code", 1))
+            raise self.unsaved(f"{what}; no optimizer step had run", 128 + signum if signum else code)
         if not self.dirty:
             self.stop_if_signalled(self.it)
             self.save(self.it)
             raise TrainingStopped(f"{what}; checkpoint iter_{self.it:06d} saved: continue with --resume {self.run.dir}",
-                                  getattr(e, "exit_code", 1))
+                                  code)
         newest = newest_checkpoint(self.run.dir)
         raise TrainingStopped(f"{what}; iteration {self.it} had begun its update, so its state was not saved: " +
                               (f"the newest checkpoint is {newest.name}, continue with --resume {self.run.dir}"
@@ -1012,7 +999,6 @@ class TrainingLoop:
                    for k, v in metrics.items()}
         append_line(self.run.dir / "metrics.jsonl", metrics)
         keys = ["reward_mean", "eval_reward", "eval_accuracy", "loss", "skipped_steps", "time_s"]
-        from tqdm import tqdm
         with tqdm.external_write_mode():  # above the progress bar
             print0(f"it {metrics['iteration']:5d} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys
                                                               if isinstance(metrics.get(k), (int, float))))
@@ -1036,8 +1022,7 @@ class TrainingLoop:
 
     def begin(self, it: int) -> dict | None:
         """Starts iteration `it` (signal check, evaluation if due): its metrics, or None once the last is logged."""
-        a = self.args
-        self.it, self.metrics, self.dirty = it, {"iteration": it}, False
+        a, self.it, self.metrics, self.dirty = self.args, it, {"iteration": it}, False
         self.stop_if_signalled(it)
         balance_threads()
         last = it == a.iterations or out_of_time(self.t0, a.time_budget, self.rt.device)
@@ -1108,9 +1093,8 @@ def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def full_finetuning(transformer: torch.nn.Module, rt: Runtime, ref=None, shard: bool = False) -> list:
-    """--lora-rank 0: float32 master weights, cast a block at a time; `ref` too, but its linear layers' weights in the
-    compute dtype, to which autocast casts the policy's: it computes as the policy starts, in half the memory; `shard`
-    (--fsdp): FSDP2 per block, then the root, gathered in --dtype, gradients float32, `ref` alike, float32 (README)."""
+    """--lora-rank 0: float32 master weights, cast a block at a time, and `ref`'s (unsharded, its linear layers' in the
+    compute dtype, as autocast casts the policy's: half the memory); `shard` (--fsdp): FSDP2 per block and root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # RMSNorm's float32 weight: unfused
@@ -1140,8 +1124,7 @@ class Run:
 def prepare_run(args, rt: Runtime, trainer: str) -> Run:
     """Decides the run folder and the checkpoint --resume continues before any model loads, and claims the folder
     until the run ends (rank 0 decides; every rank gets its answer or its UsageError; README, Outputs and metrics)."""
-    meta = {"trainer": trainer, "model": args.model, "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
-            "ema": args.ema}
+    meta = {"trainer": trainer, **{k: getattr(args, k) for k in ("model", "lora_rank", "lora_alpha", "ema")}}
     try:
         run = _prepare_run(args, meta, rt.world_size) if rt.is_main else None
     except UsageError as e:
@@ -1166,11 +1149,8 @@ def _prepare_run(args, meta: dict, world_size: int) -> Run:
             raise UsageError(f"--resume {resume} is at iteration {start}, past --iterations {args.iterations}: raise "
                              f"--iterations")
     source = checkpoint.parent.parent if checkpoint is not None and checkpoint.parent.name == "checkpoints" else None
-    if output_dir is not None:
-        run_dir = Path(output_dir)
-    elif source is not None:
-        run_dir = source
-    else:  # a new default folder, claimed by creating it: two runs started in the same second get two folders
+    run_dir = Path(output_dir) if output_dir is not None else source
+    if run_dir is None:  # a new default folder, claimed by creating it: two runs started in one second get two folders
         writable_folder(Path("runs"), "--output-dir")  # a read-only working folder
         while True:
             run_dir = Path("runs") / f"{meta['trainer']}-{meta['model']}-{time.strftime('%Y%m%d-%H%M%S')}-" \
@@ -1226,9 +1206,8 @@ _HELD = []  # (the open .lock of the run folder this process holds, the folder i
 
 
 def _hold_folder(run_dir: Path, new: bool) -> int:
-    """Locks run_dir until the run or process ends or it prepares its next run (flock on .lock, a regular file naming
-    the holder's pid and host, never a followed link); one held elsewhere is refused, naming it. Returns the fd; a
-    `new` folder goes when released with nothing else in it (a refusal leaves no folder it made)."""
+    """Locks run_dir until released (flock on .lock: a regular file, never a followed link, naming the holder's pid and
+    host); one held elsewhere is refused. A `new` folder goes when released empty (a refusal leaves no folder)."""
     import fcntl
     _release_folder()
     path = run_dir / ".lock"
@@ -1353,8 +1332,7 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 
 def check_checkpoint(checkpoint: Path, meta: dict, world_size: int) -> int:
-    """Refuses a checkpoint of another trainer or flags than `meta` (LoRA alpha only under LoRA), naming each; says
-    what a changed number of ranks changes; returns its iteration."""
+    """Refuses a checkpoint of another trainer or flags than `meta`, naming each; notes new ranks; its iteration."""
     info = checkpoint_info(checkpoint)
     differ = [k for k in meta if info[k] != meta[k] and (k != "lora_alpha" or meta["lora_rank"])]
     if differ:  # what to pass: the trainer's file, --ema / --no-ema, --flag value
@@ -1387,16 +1365,14 @@ def training_state(params: list, optimizer, ema: EMA | None, extra_state: dict |
     state = {"params": get_model_state_dict(holder),
              "optimizer": get_optimizer_state_dict(holder, optimizer) if optimizer is not None else None,
              "ema": {str(i): s for i, s in enumerate(ema.shadow)} if ema is not None else None,
-             "extra": extra_state or None,
-             "scaler": scaler}  # a Stateful: dcp.save takes its state_dict(), dcp.load gives it load_state_dict()
+             "extra": extra_state or None, "scaler": scaler}  # a Stateful: DCP calls state_dict(), load_state_dict()
     return {k: v for k, v in state.items() if v is not None}
 
 
 def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: bool, optimizer, ema: EMA | None,
                     elapsed: float, meta: dict, rt: Runtime, extra_state: dict | None = None, scaler=None) -> Path:
-    """Writes run_dir/checkpoints/iter_NNNNNN on every rank, whole or not at all (a temporary folder renamed, then
-    `latest`), never over one there: the published weights (the EMA's if kept), state/ (training_state), checkpoint.json
-    (own_json: each file's sha256, metrics.jsonl's size and sha256). Non-finite weights, a failure on any rank: none."""
+    """Writes run_dir/checkpoints/iter_NNNNNN on every rank, whole or not at all, never over one there (README): the
+    published weights (the EMA's if kept), state/, checkpoint.json; none if not finite or a rank fails."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final = Path(run_dir) / "checkpoints" / f"iter_{iteration:06d}"
@@ -1453,9 +1429,8 @@ def save_checkpoint(run_dir: Path, iteration: int, adapter, params: list, lora: 
 
 
 def checkpoint_digest(folder: Path, names: list[str] | None = None, info: dict | None = None) -> dict:
-    """{path: sha256} of a checkpoint's files, every rank's share gathered: on a save each rank hashes the files it
-    wrote (state/'s __RANK_*; rank 0 the rest), on a load rank r the i-th of `names` if i % ranks == r. With `info`
-    (its checkpoint.json), a file of `names` not the one its digest names is refused (not_written_here)."""
+    """{path: sha256} of a checkpoint's files, hashed by the ranks in shares (a save: each the files it wrote; a load:
+    every ranks-th of `names`); with `info`, a file not the one its checkpoint.json names is not_written_here."""
     rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = names[rank::ranks] if names is not None else sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                                                                if p.is_file() and p.name.startswith(f"__{rank}_")
@@ -1490,8 +1465,7 @@ def _save_transformer(model: torch.nn.Module, weights: dict, folder: Path, dtype
     from safetensors.torch import save_file
     folder.mkdir(parents=True)
     original = next(c for c in type(model).__mro__ if "FSDP" not in c.__name__ and hasattr(c, "from_pretrained"))
-    config = {"_class_name": original.__name__, **{k: v for k, v in dict(model.config).items()
-                                                  if not k.startswith("_")}}
+    config = {"_class_name": original.__name__, **{k: v for k, v in model.config.items() if not k.startswith("_")}}
     (folder / "config.json").write_text(json.dumps(config, indent=2, default=list))
     save_file({k: v.to("cpu", dtype).contiguous() for k, v in weights.items()},
               folder / "diffusion_pytorch_model.safetensors")
@@ -1566,10 +1540,7 @@ def write_failed(path: Path, e: OSError) -> TrainingStopped:
 
 
 def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: list[str] | None = None):
-    """One PNG: a row per prompt, written on its left, then its images ((n, 3, H, W) in [0, 1]) in tiles 128-256 px
-    high; `groups` (titles) splits each row into equal groups, e.g. two models side by side."""
-    import textwrap
-
+    """One PNG: a row per prompt (on its left) of its images ((n, 3, H, W) in [0, 1]) in equal `groups` (titles)."""
     from PIL import Image, ImageDraw, ImageFont
     if not rows:
         return
@@ -1583,17 +1554,15 @@ def save_image_grid(rows: list[tuple[str, torch.Tensor]], path: Path, groups: li
         return label_w + pad + c * (tw + pad) + (c // per_group) * 4 * pad
 
     canvas = Image.new("RGB", (x_of(cols - 1) + tw + pad, top + len(rows) * (th + pad) + pad), "white")
-    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default()
+    draw, font, resample = ImageDraw.Draw(canvas), ImageFont.load_default(), Image.NEAREST if th >= h else Image.BICUBIC
     for g, title in enumerate(groups or []):
         draw.text((x_of(g * per_group), 4), title, fill="black", font=font)
     for r, (prompt, images) in enumerate(rows):
         y = top + r * (th + pad) + pad
         draw.multiline_text((pad, y), "\n".join(textwrap.wrap(prompt, 32)[:th // 12]), fill="black", font=font)
         for c, im in enumerate(_to_uint8(images).permute(0, 2, 3, 1).numpy()):
-            resample = Image.NEAREST if th >= h else Image.BICUBIC
             canvas.paste(Image.fromarray(im).resize((tw, th), resample), (x_of(c), y))
-    buf = io.BytesIO()
-    canvas.save(buf, format="PNG")
+    canvas.save(buf := io.BytesIO(), format="PNG")
     write_atomic(path, buf.getvalue())
 
 
@@ -1607,28 +1576,23 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
              seed: int = 0, batch_size: int = 16, accuracy_fn=None, grid: tuple[int, int] = (16, 8)):
     """Held-out ODE evaluation split over ranks, image i with prompt i mod len(records) and noise of (seed, i) for any
     ranks or batch size: (metrics (README, Metrics), the grid's rows [(prompt, images (n, 3, H, W))])."""
-    sigmas = adapter.sigmas(steps)
-    names = list(reward_fn.weights)
+    sigmas, names = adapter.sigmas(steps), list(reward_fn.weights)
     mine = list(range(runtime.rank, num_images, runtime.world_size))
     P, (max_rows, max_cols) = len(records), grid
     shown = {i for i in range(min(num_images, P * max_cols)) if i % P < max_rows}
     scores, kept = {}, {}  # image index -> [weighted sum, *scorers, accuracy]; image index -> uint8 image for the grid
     batches = range(0, -(-num_images // runtime.world_size), batch_size)  # as many batches on every rank (FSDP)
-    from tqdm import tqdm
     with tqdm(batches, desc="evaluate", leave=True, disable=not runtime.is_main) as bar:
         for i in bar:
             balance_threads()
-            chunk = mine[i: i + batch_size]
-            if not chunk:  # a rank with one image fewer: a batch that counts nothing, so that every rank makes the
-                prompt = [records[0]["prompt"]]  # same collective calls (FSDP's forwards, the reward's error check)
-                x = sample_ode(adapter, net, adapter.encode(prompt), adapter.noise(1), sigmas)
-                reward_fn(adapter.decode(x), prompt, records[:1])
-                continue
-            recs = [records[j % P] for j in chunk]
-            prompts = [r["prompt"] for r in recs]
-            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk])
+            chunk = mine[i: i + batch_size]  # none on a rank with one image fewer: a batch that counts nothing, so
+            recs = [records[j % P] for j in chunk or [0]]  # that every rank makes the same collective calls (FSDP's
+            prompts = [r["prompt"] for r in recs]  # forwards, the reward's error check)
+            x = torch.cat([adapter.noise(1, make_generator(seed, j)) for j in chunk]) if chunk else adapter.noise(1)
             imgs = adapter.decode(sample_ode(adapter, net, adapter.encode(prompts), x, sigmas))
             total, parts = reward_fn(imgs, prompts, recs)
+            if not chunk:
+                continue
             accuracy = accuracy_fn(imgs, prompts) if accuracy_fn else torch.zeros(len(chunk))
             columns = torch.stack([total, *[parts[n] for n in names], accuracy.to(total.device).float()], 1)
             scores.update(zip(chunk, columns.double().cpu().tolist()))
@@ -1650,9 +1614,8 @@ def evaluate(adapter, net, records: list[dict], num_images: int, steps: int, rew
     return out, rows
 
 
-# What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' settings.
-EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40),  # -> (reward, ODE steps)
-                 "flux2": ("pickscore", 50)}
+# What `common.py evaluate` uses for the base model when no trained run says otherwise: the trainers' (reward, steps).
+EVAL_DEFAULTS = {"toy": ("toy", 20), "flux": ("pickscore", 28), "sd3": ("pickscore", 40), "flux2": ("pickscore", 50)}
 # Its numeric flags -> (at least, at most), the trainers' bounds (images: --eval-images, steps: --eval-steps).
 EVAL_BOUNDS = {"images": (1, 100_000), "steps": (1, 1000), "seed": (0, 2**63 - 1), "resolution": (16, 4096),
                "guidance_scale": (0, None), "max_sequence_length": (1, 512), "threads": (1, 1024),
@@ -1663,9 +1626,8 @@ def evaluate_main(argv=None) -> dict:
     """`python common.py evaluate`: scores the base model or trained checkpoints on held-out prompts as the trainers
     evaluate, prints each reward's mean +- standard error, writes results.json and grid.png. Works under torchrun."""
     ap = Parser(prog="common.py evaluate", description=evaluate_main.__doc__)
-    ap.add_argument("--checkpoint", action="append", default=[],
-                    help="a run folder (its latest checkpoint), a checkpoints/iter_* folder, or base (untrained); "
-                         "twice to compare two (default: base)")
+    ap.add_argument("--checkpoint", action="append", default=[], help="a run folder (its latest checkpoint), a "
+                    "checkpoints/iter_* folder, or base (untrained); twice to compare two (default: base)")
     ap.add_argument("--model", choices=MODELS, help="default: the checkpoint's")
     ap.add_argument("--model-path", help="default: the run's")
     ap.add_argument("--reward", help="as the trainers' --reward (default: the run's)")
@@ -1693,8 +1655,7 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         checkpoint = None if spec == "base" else find_checkpoint(spec, "--checkpoint")
         info = checkpoint_info(checkpoint) if checkpoint else {}
         entries.append((spec, checkpoint, info, run_settings(checkpoint, info) if checkpoint else {}))
-    folders = [checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries]
-    if len(folders) == 2 and folders[0] == folders[1]:
+    if len(entries) == 2 and len({checkpoint and checkpoint.resolve() for _, checkpoint, _, _ in entries}) == 1:
         raise UsageError(f"--checkpoint {a.checkpoint[0]} and --checkpoint {a.checkpoint[1]} are the same model: pass "
                          f"two different ones")
     run = next((config for _, ckpt, _, config in entries if ckpt is not None), {})
@@ -1710,8 +1671,8 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
         value = getattr(a, flag)
         return value if value is not None else run.get({"images": "eval_images", "steps": "eval_steps"}.get(
             flag, flag), fallback)
-    reward_spec, steps = pick("reward", EVAL_DEFAULTS[model][0]), pick("steps", distilled_defaults(
-        model, a.model_path).get("eval_steps", EVAL_DEFAULTS[model][1]))
+    reward_spec = pick("reward", EVAL_DEFAULTS[model][0])
+    steps = pick("steps", distilled_defaults(model, pick("model_path")).get("eval_steps", EVAL_DEFAULTS[model][1]))
     images, seed, dtype = pick("images", 64), pick("seed", 0), pick("dtype")
     for flag, (low, high) in EVAL_BOUNDS.items():
         check_flag(flag, pick(flag), low, high)
@@ -1726,8 +1687,7 @@ def _evaluate_main(a, on_exit: contextlib.ExitStack) -> dict:
     if not out_dir.exists() and rt.is_main:  # removed if it stays empty (a full disk, a refusal after a model loads)
         on_exit.callback(lambda: out_dir.is_dir() and (next(out_dir.iterdir(), None) or out_dir.rmdir()))
     writable_folder(out_dir, "--output")
-    reward_fn = WeightedReward(parse_reward_spec(reward_spec), rt.device)
-    results, rows = {}, []
+    reward_fn, results, rows = WeightedReward(parse_reward_spec(reward_spec), rt.device), {}, []
     for label, checkpoint, info, _ in entries:
         adapter = load_model(model, rt, pick("model_path"), pick("resolution"), pick("guidance_scale"),
                              pick("max_sequence_length"))
@@ -1774,8 +1734,7 @@ def run_settings(checkpoint: Path, info: dict, fix: str | None = None) -> dict:
 
 
 def load_trained_weights(adapter, checkpoint: Path, info: dict):
-    """Loads a checkpoint's published weights (its LoRA or transformer/; the EMA's when it kept one, as the trainers
-    evaluate) into adapter.transformer; weights not the checkpoint's, or that do not load, are not_written_here."""
+    """Loads a checkpoint's published weights (the EMA's if kept) into adapter.transformer, else not_written_here."""
     from safetensors.torch import load_file
     lora = info["lora_rank"] > 0
     checkpoint_digest(checkpoint, PUBLISHED[lora], info)
@@ -1796,18 +1755,16 @@ def load_trained_weights(adapter, checkpoint: Path, info: dict):
                          f"{result.unexpected_keys[0]}): pass the --model-path it was trained on")
 
 
-# ---- 11. Preflight (--preflight): one iteration of the trainer's own main, judged by what it logs and
-#      leaves, and the run's cost (README). Rows: (check, value, expected, PASS / WARN / FAIL / - / n/a, advice).
+# ---- 11. Preflight (--preflight): one iteration of the trainer's main, judged by what it leaves; the run's cost ----
 PROMPT_SE = 2.0                      # right prompts must beat shifted ones by this many standard errors
 PROMPT_FREE = {"jpeg", "aesthetic"}  # the scorers that read no prompt; every other one must be prompt-sensitive
-ON_POLICY_TOL = {"cpu": 0.0}  # *_first_update at a fresh start: 0 on CPU; a GPU's kernels need not reproduce the
-# rollout bit for bit, so there the *_frac_first_update metrics judge (0: no sample outside the run's own clip range)
+ON_POLICY_TOL = {"cpu": 0.0}  # *_first_update at a fresh start: 0 on CPU; a GPU: *_frac_first_update alone, 0
 STEP_LIMIT = 1.0  # |theta_after - theta_before| / |theta_before| of the iteration; toy: 0.0007-0.005, --lr 1: 20-36
 GRAD_WARN = 100   # a gradient norm this many times --grad-clip: clipping hides a loss or learning rate far off
 
 
 def _row(check, value, expected="", ok=None, advice="", warn=False) -> tuple:
-    """A row; ok None: information, "n/a": not logged; a failed check FAILs, or WARNs with `warn`, saying `advice`."""
+    """A row (check, value, expected, status, advice): ok None is "-", "n/a" not logged, False FAIL (WARN if `warn`)."""
     status = ok if isinstance(ok, str) else "-" if ok is None else "PASS" if ok else "WARN" if warn else "FAIL"
     return check, str(value), expected, status, advice if status in ("FAIL", "WARN") else ""
 
@@ -1960,8 +1917,6 @@ class RemoteReward:
         self.url, self.device, self.timeout, self.retries, self.backoff = url, device, timeout, retries, backoff
 
     def __call__(self, images, prompts, metadata=None):
-        import base64
-        import http.client
         encoded = []
         for im in _to_uint8(images).permute(0, 2, 3, 1).numpy():
             np.save(buf := io.BytesIO(), im)
@@ -1978,7 +1933,7 @@ class RemoteReward:
                         reply = json.loads(raw, parse_int=float)  # every number a float: 10**400 is inf
                         break
                     failure = f"answered HTTP {status}: {raw.decode(errors='replace')[:300]}"
-                except (OSError, http.client.HTTPException) as e:  # refused, reset, cut short, past the deadline
+                except (OSError, HTTPException) as e:  # refused, reset, cut short, past the deadline
                     failure = f"did not answer ({type(e).__name__}: {e})"
                 except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
                     failure = f"sent {raw[:200].decode(errors='replace')!r}"
@@ -2001,20 +1956,22 @@ class RemoteReward:
 def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     """(HTTP status, reply body) of a JSON POST within `timeout` seconds in all, else TimeoutError. A socket's timeout
     restarts with each read (a trickling server never trips it), so a timer shuts the connection at the deadline."""
-    import http.client
     u = urllib.parse.urlsplit(url)
-    conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection)(u.netloc,
-                                                                                                timeout=timeout)
+    conn = (HTTPSConnection if u.scheme == "https" else HTTPConnection)(u.netloc, timeout=timeout)
     deadline = time.monotonic() + timeout
     conn.connect()  # within the socket's timeout; the timer shuts the socket itself, which http.client sets
-    timer = threading.Timer(deadline - time.monotonic(), _shut, [conn.sock])  # conn.sock to None for a reply that
+
+    def shut(sock):  # from the timer's thread: a read blocked on it returns; a closed or unopened one (None) is left
+        with contextlib.suppress(OSError, AttributeError):
+            sock.shutdown(socket.SHUT_RDWR)
+    timer = threading.Timer(deadline - time.monotonic(), shut, [conn.sock])  # conn.sock to None for a reply that
     timer.start()  # will close (HTTP/1.0), then read through the reply
     try:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a server that answers before it reads all
             conn.request("POST", u.path, body, {"Content-Type": "application/json"})  # (HTTP 413): its answer counts
         reply = conn.getresponse()
         status, raw = reply.status, reply.read()
-    except (OSError, http.client.HTTPException):
+    except (OSError, HTTPException):
         if time.monotonic() < deadline:
             raise
     finally:
@@ -2025,16 +1982,9 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, bytes]:
     return status, raw
 
 
-def _shut(sock):
-    """Ends a connection from any thread (a read blocked on it returns); a closed or unopened one (None) is left."""
-    with contextlib.suppress(OSError, AttributeError):
-        sock.shutdown(socket.SHUT_RDWR)
-
-
 def serve_reward(argv=None):
     """`python common.py serve-reward --reward NAME --port N`: serves a registry scorer at http://HOST:PORT/NAME for
     RemoteReward, so a scorer with its own environment runs there (the protocol and its answers: README, Rewards)."""
-    import base64
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     ap = Parser(prog="common.py serve-reward", description=serve_reward.__doc__.split("\n")[0])
     ap.add_argument("--reward", required=True, choices=list(REWARDS))
@@ -3125,8 +3075,6 @@ if __name__ == "__main__":
         n, "prompts, train and held out:", *map(len, load_prompts(n, "sd3"))) for n in fetch.parse_args(argv).sets]}
     if not (sys.argv[1:2] and sys.argv[1] in commands):
         report("usage: python common.py serve-reward | evaluate | fetch-prompts [--help]", 2)
-    sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)
-    for s in (signal.SIGTERM, signal.SIGINT):  # at once, not by an exception, which library code it lands in (a lazy
-        signal.signal(s, _stopped)             # import) may catch
+    sys.stdout, sys.stderr = _Stream(sys.stdout), _Stream(sys.stderr)  # SIGTERM and SIGINT: _stopped, set on import
     with one_line_errors(f"common.py {sys.argv[1]}"):
         commands[sys.argv[1]](sys.argv[2:])

@@ -89,8 +89,10 @@ def test_a_lora_checkpoint_with_ema_on_a_tiny_pipeline(tmp_path):
 
 
 def test_evaluate_under_torchrun_equals_one_process(toy_run, tmp_path):
-    one = common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "one"), "--threads", "1"])
-    torchrun("common.py", ["evaluate", "--checkpoint", toy_run, "--output", tmp_path / "two", "--threads", "1"])
+    """11 images in batches of 5: rank 1 has 5, so its second batch only pads the collective calls (the reward's)."""
+    images = ["--images", "11", "--batch-size", "5", "--threads", "1"]
+    one = common.evaluate_main(["--checkpoint", str(toy_run), "--output", str(tmp_path / "one"), *images])
+    torchrun("common.py", ["evaluate", "--checkpoint", toy_run, "--output", tmp_path / "two", *images])
     two = json.loads((tmp_path / "two" / "results.json").read_text())["results"]
     assert two[str(toy_run)] == pytest.approx(one[str(toy_run)], abs=1e-9)
 
