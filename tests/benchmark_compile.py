@@ -1,7 +1,7 @@
 """Speed and memory in the run's dtype, eager and under --compile: each trainer on SD3.5-Medium's widths with 2 blocks
 (--model-path random:2: real widths, random weights, nothing downloaded; --models flux2: FLUX.2-klein 4B's, 2 double
-and 2 single blocks) at 64 px, 10 sampling steps, 2 prompts x 8, LoRA rank 32, EMA, the jpeg reward, the model's CFG,
-in eager float32, eager bf16 and compiled bf16 (`--dtype bf16 --compile`).
+and 2 single blocks, at MODEL_REAL's smaller sizes) at 64 px, 10 sampling steps, 2 prompts x 8, LoRA rank 32, EMA, the
+jpeg reward, the model's CFG, in eager float32, eager bf16 and compiled bf16 (`--dtype bf16 --compile`).
 Each run is a process of its own (its peak memory and its compile are its own) of --iterations iterations: the first
 (which compiles) is reported apart, the others give the medians. A table row: seconds per iteration and its rollout,
 reward and update parts (as the trainer logs them: t_rollout, with V-GRPO's t_surrogate_old, t_reward, t_update), the
@@ -48,6 +48,10 @@ REAL = ["--model", "sd3", "--model-path", "random:2", "--resolution", "64", "--s
         "--ema", "--reward", "jpeg", "--prompts", "pickscore", "--eval-every", "0", "--save-every", "0"]
 # what a trainer needs on top of REAL to train groups of 8: Pro-GRPO expands 16 and prunes to 12, then 8
 TRAINER_REAL = {"pro_grpo": ["--group-size", "16", "--funnel", "12,8", "--baseline-group", "8"]}
+# FLUX.2-klein's 2 double and 2 single blocks are 4x SD3.5-M's 2 in parameters, its 512 text tokens 2.5x the tokens:
+# one prompt x 4, 4 steps, 64 text tokens keep an iteration to minutes on 2 cores
+MODEL_REAL = {"flux2": ["--prompts-per-step", "1", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
+                        "--max-sequence-length", "64"]}
 PHASES = ("load", "rollout", "reward", "update")
 # flow_grpo's flags for the official configs --official runs (its other defaults are theirs: noise 0.7, clip 1e-4,
 # timestep fraction 0.99, lr 3e-4, advantages clamped at 5, the std over the iteration)
@@ -62,7 +66,7 @@ def argv_of(model: str, trainer: str, mode: str, quick: bool, iterations: int, t
         from helpers import tiny_argv
         sizes = [*tiny_argv(trainer, "flux"), "--eval-every", "0", "--save-every", "0"]
     else:
-        sizes = [*REAL, "--model", model, *TRAINER_REAL.get(trainer, [])]
+        sizes = [*REAL, "--model", model, *TRAINER_REAL.get(trainer, []), *MODEL_REAL.get(model, [])]
     return [*sizes, *MODES[mode], "--iterations", str(iterations), "--threads", str(threads), "--output-dir", str(out)]
 
 
@@ -327,7 +331,7 @@ def main(argv=None) -> list[dict]:
                *argv_of(model, trainer, mode, a.quick, iterations, a.threads, out / name)]
         rows.append(run_worker(name, cmd, out, env))
         print(f"{name}: {rows[-1]['s_per_it']:.2f} s/it, {time.time() - tic:.0f} s so far", flush=True)
-    widths = {"sd3": "SD3.5-M", "flux2": "FLUX.2-klein 4B"}
+    widths = {"sd3": "SD3.5-M", "flux2": "FLUX.2-klein 4B (1 prompt x 4, 4 steps, 64 text tokens)"}
     setting = ("the tiny FLUX of tests/helpers.py, smoke sizes" if a.quick else
                f"{' and '.join(widths[m] for m in models)} widths, 2 blocks (random:2), 64 px, 10 steps, 2 prompts "
                f"x 8, LoRA r32, EMA, jpeg, the model's CFG")
