@@ -310,16 +310,14 @@ REWARD_NORMS = ("sum", "per-reward")
 
 
 class WeightedReward:
-    """Scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). Called, it returns (total (N,),
-    {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores; a scorer that fails on any rank
-    stops every rank with the same line (stop_together)."""
+    """Scorers with weights (`terms`: parse_reward_spec's); called, (their weighted sum (N,), {name: scores (N,)}) in
+    float32 on `device`. A scorer that fails on any rank stops every rank with the same line (stop_together)."""
 
     def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
                        else REWARDS[name](device=device)) for name, w in terms]
         self.weights = {name: w for name, w, _ in self.terms}
-        self.device, self.norm = device, norm
-        self.calls = 0  # images scored so far
+        self.device, self.norm, self.calls = device, norm, 0  # calls: images scored so far
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None, batch_size: int | None = None):
@@ -368,10 +366,8 @@ def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
 
 def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
     """n records for one iteration: without replacement when the set is large enough."""
-    if n <= len(records):
-        idx = torch.randperm(len(records), generator=generator)[:n]
-    else:
-        idx = torch.randint(len(records), (n,), generator=generator)
+    idx = (torch.randperm(len(records), generator=generator)[:n] if n <= len(records)
+           else torch.randint(len(records), (n,), generator=generator))
     return [records[i] for i in idx.tolist()]
 
 
@@ -2084,8 +2080,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
-    scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
+    """The frozen transformer's dtype: float32 under fp16 (autocast over float32, as SD3.5's recipes train), else it."""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -2150,25 +2145,20 @@ class PipelineAdapter(Adapter):
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
         self.offload_encoders, self.negative = offload_encoders, None
 
-    @contextlib.contextmanager
-    def encoders_on_device(self):
+    @torch.no_grad()
+    def encode(self, prompts):
         """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL: 9.5 GB in bf16)."""
         moved = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None
                  and self.offload_encoders]
         for m in moved:
             m.to(self.device)
         try:
-            yield
-        finally:
-            for m in moved:
-                m.to("cpu")
-
-    @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
             if self.negative is None and self.cfg:
                 self.negative = self._encode([""])
             return self._encode(prompts)
+        finally:
+            for m in moved:
+                m.to("cpu")
 
     def vae_decode(self, latents):
         """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift, where the VAE has them)."""
@@ -2249,9 +2239,8 @@ class SD3Adapter(PipelineAdapter):
 
 
 def distilled_defaults(model: str, path: str | None) -> dict:
-    """A step-distilled FLUX.2-klein's defaults, over MODEL_DEFAULTS["flux2"] (the base model's) in the trainers and
-    evaluate: 4 steps without CFG, where --model-path's model_index.json (read into the hub cache) says is_distilled
-    (the 4B and 9B not named "base"); {} else, or if it does not read: check_model then names what is wrong."""
+    """A step-distilled FLUX.2-klein's defaults over MODEL_DEFAULTS["flux2"] (the base model's): 4 steps without CFG,
+    where --model-path's model_index.json says is_distilled; {} else, or unread (check_model names what is wrong)."""
     with contextlib.suppress(Exception):
         if model == "flux2" and path and not path.startswith("random") and json.loads(Path(hub_file(
                 path, "model_index.json")).read_text()).get("is_distilled") is True:
@@ -2263,10 +2252,9 @@ class Flux2Adapter(PipelineAdapter):
     """FLUX.2-klein: Qwen3's layers 9, 18 and 27 side by side, tokens of 2x2 patches of 32 VAE channels scaled by a
     batch norm's statistics, 4-axis position ids, a shift of image size and step count; CFG unless step-distilled."""
 
+    name = "FLUX.2"
     lora_targets = property(lambda self: FLUX2_LORA_TARGETS + [  # each single block's to_out by name
         f"single_transformer_blocks.{i}.attn.to_out" for i in range(len(self.transformer.single_transformer_blocks))])
-
-    name = "FLUX.2"
 
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float | None = None,
                  max_sequence_length: int = 512, offload_encoders: bool = False):
@@ -2316,8 +2304,7 @@ class Flux2Adapter(PipelineAdapter):
 
 
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
-    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
-    in `dtype` (_cast), the transformer in weight_dtype(dtype), the VAE in float32."""
+    """Every module frozen and cast (_cast) on `device`, but the text encoders on the CPU with offload_encoders."""
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
             offload = offload_encoders and name.startswith("text_encoder")
@@ -2391,8 +2378,7 @@ class _CLIPSimilarity:
 
 
 class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
-    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
+    """PickScore_v1 (CLIP-H tuned on human preferences), 100 cos / 26 as GRPO trainers scale it, CLIP-H's processor."""
 
     divisor, model_id, processor_id = 26.0, "yuvalkirstain/PickScore_v1", CLIP_H
 
@@ -2438,15 +2424,19 @@ class CLIPScoreH(HPSv2):
 
 
 class Aesthetic:
-    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
-    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
+    """The LAION aesthetic predictor v2: its linear MLP head as published (no activations, its dropouts identities) on
+    CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id=CLIP_L, device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
         self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
         self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
-        self.head = aesthetic_head(hub_file(model_id, filename), self.clip.config.projection_dim)
+        lin, drop, dim = torch.nn.Linear, torch.nn.Identity, self.clip.config.projection_dim  # the file's `layers`
+        self.head = torch.nn.Sequential(lin(dim, 1024), drop(), lin(1024, 128), drop(), lin(128, 64), drop(),
+                                        lin(64, 16), lin(16, 1))
+        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
+        self.head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
         self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
         self.device, self.dtype = torch.device(device), dtype
 
@@ -2475,9 +2465,7 @@ def ocr_reward(recognised: str, prompt: str) -> float:
     recognised text, else min(their edit distance, len(target)). An empty target scores 1 (the official code fails)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
-    if target in text:
-        return 1.0
-    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
+    return 1.0 if target in text else 1.0 - min(edit_distance(text, target), len(target)) / len(target)
 
 
 class OCRScore:
@@ -2515,8 +2503,7 @@ class OCRScore:
 
 
 class ImageRewardScore:
-    """ImageReward v1.0's raw score through the `image-reward` package, one image at a time; it needs transformers<4.56
-    and torchvision, so it is served from an environment of its own (`python common.py serve-reward`, README)."""
+    """ImageReward v1.0's raw score by the `image-reward` package, one image at a time, in an environment of its own."""
 
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
@@ -2551,12 +2538,10 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         if part.lower().startswith("remote:"):
             head, _, last = part[len("remote:"):].rpartition("/")
             last, _, w = last.partition(":")
-            name = f"remote:{head}/{last}"
-            try:  # an unclosed [, a port that is not a number in 1-65535
+            name, bad = f"remote:{head}/{last}", True
+            with contextlib.suppress(ValueError):  # an unclosed [, a port that is not a number in 1-65535
                 url = urllib.parse.urlsplit(name[7:])
                 bad = not url.hostname or url.port == 0
-            except ValueError:
-                bad = True
             if bad or not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
                 raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
                                  f"remote:http://HOST:PORT/NAME[:WEIGHT] (a PORT in 1-65535)")
@@ -2700,17 +2685,6 @@ def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dty
     return model
 
 
-def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
-    """The aesthetic predictor's head as published (`layers`: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear,
-    Linear), its dropouts identities: dim -> 1024 -> 128 -> 64 -> 16 -> 1."""
-    lin, drop = torch.nn.Linear, torch.nn.Identity
-    head = torch.nn.Sequential(lin(dim, 1024), drop(), lin(1024, 128), drop(), lin(128, 64), drop(), lin(64, 16),
-                               lin(16, 1))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
-    return head
-
-
 def read_prompt_file(path: str, model: str) -> list[dict]:
     """A UTF-8 prompt file's records (.txt or .jsonl in any case, .gz gzipped, a BOM skipped), else a UsageError naming
     file and line: unreadable, a bad .jsonl line or split, a toy prompt without colour or shape, no training prompts."""
@@ -2731,10 +2705,9 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
             continue
         rec = {"prompt": ln.strip()}
         if p.name.lower().removesuffix(".gz").endswith(".jsonl"):
-            try:
+            rec = None
+            with contextlib.suppress(json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 rec = json.loads(ln)
-            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-                rec = None
             if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
                 raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
             if rec.get("split", "train") not in ("train", "eval"):
@@ -2862,17 +2835,12 @@ def toy_coverage(shape: str, half: float, size: int = TOY_SIZE, supersample: int
     c = (np.arange(n) + 0.5) / n * 2 - 1  # [-1, 1], y downwards
     y, x = np.meshgrid(c, c, indexing="ij")
     h = 2 * half
-    if shape == "circle":
-        m = x**2 + y**2 <= h**2
-    elif shape == "square":
-        m = np.maximum(np.abs(x), np.abs(y)) <= 0.85 * h
-    elif shape == "triangle":  # apex up, base down
-        m = (y >= -h) & (y <= h) & (np.abs(x) <= (y + h) / 2)
-    elif shape == "cross":
-        m = ((np.abs(x) <= h / 3) & (np.abs(y) <= h)) | ((np.abs(y) <= h / 3) & (np.abs(x) <= h))
-    else:
+    masks = {"circle": x**2 + y**2 <= h**2, "square": np.maximum(np.abs(x), np.abs(y)) <= 0.85 * h,
+             "triangle": (y >= -h) & (y <= h) & (np.abs(x) <= (y + h) / 2),  # apex up, base down
+             "cross": ((np.abs(x) <= h / 3) & (np.abs(y) <= h)) | ((np.abs(y) <= h / 3) & (np.abs(x) <= h))}
+    if shape not in masks:
         raise ValueError(f"unknown toy shape {shape!r}")
-    return m.reshape(size, supersample, size, supersample).mean((1, 3))
+    return masks[shape].reshape(size, supersample, size, supersample).mean((1, 3))
 
 
 def _toy_templates(halves) -> np.ndarray:
@@ -2886,10 +2854,9 @@ _TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's,
 def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
     """(colour, shape) of images (N, 3, 16, 16) in [0, 1]. Foreground: brightest channel > 0.5. Colour: the palette
     entry nearest the mean foreground colour; shape: the template (any size) of best IoU if >= 0.5; None if absent."""
-    imgs = images.detach().float().cpu().numpy()
     palette = np.asarray(list(TOY_COLORS.values()))
     colors, shapes = [], []
-    for im in imgs:
+    for im in images.detach().float().cpu().numpy():
         fg = im.max(0) > 0.5
         if fg.sum() == 0:
             colors.append(None), shapes.append(None)
@@ -2905,8 +2872,7 @@ def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | Non
 def toy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """GenEval-like partial credit: 0.5 for the right colour + 0.5 for the right shape. (N,) float32."""
     colors, shapes = toy_classify(images)
-    target = [toy_parse(p) for p in prompts]
-    r = [0.5 * (c == tc) + 0.5 * (s == ts) for c, s, (tc, ts) in zip(colors, shapes, target)]
+    r = [0.5 * (c == tc) + 0.5 * (s == ts) for c, s, (tc, ts) in zip(colors, shapes, map(toy_parse, prompts))]
     return torch.tensor(r, dtype=torch.float32)
 
 
@@ -2944,12 +2910,10 @@ class ToyTokenizer:
     """Word-level tokenizer for the toy grammar: <bos> words <eos> <pad>..., unknown words <unk>. The eos id is not
     2: CLIPTextModel pools at the first eos_token_id, but at argmax(input_ids) when eos_token_id == 2."""
 
-    specials = ["<pad>", "<bos>", "<unk>", "<eos>"]
-    max_length = 8
+    specials, max_length = ["<pad>", "<bos>", "<unk>", "<eos>"], 8
 
     def __init__(self):
-        words = ["a", "an", "the", *TOY_COLORS, *TOY_SHAPES]
-        self.vocab = {w: i for i, w in enumerate(self.specials + words)}
+        self.vocab = {w: i for i, w in enumerate([*self.specials, "a", "an", "the", *TOY_COLORS, *TOY_SHAPES])}
         self.pad_id, self.bos_id, self.unk_id, self.eos_id = range(4)
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2970,13 +2934,11 @@ def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
 class ToyAdapter(FluxFamilyAdapter):
     """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking; float32 weights."""
 
-    lora_targets = FLUX_LORA_TARGETS
-    weights_dtype = torch.float32
+    lora_targets, weights_dtype = FLUX_LORA_TARGETS, torch.float32
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
-        self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
-        self.text_encoder.requires_grad_(False)
-        self.tokenizer = ToyTokenizer()
+        self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+        self.transformer, self.tokenizer = transformer.to(device), ToyTokenizer()
         self.device, self.dtype, self.resolution = device, dtype, TOY_SIZE
         rows, cols = torch.meshgrid(torch.arange(TOY_SIZE // 2.0), torch.arange(TOY_SIZE // 2.0), indexing="ij")
         self.img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).flatten(0, 1).to(device)  # (N, 3) as FLUX
@@ -3028,7 +2990,6 @@ def architecture(family: str, blocks: int | None = None) -> dict:
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
     """The `family` pipeline built from `configs` (`architecture`'s, or any sizes), random weights from `seed` on
     `device` ("meta": shapes only) in the dtypes _freeze_pipeline keeps for `dtype`; tokenizers, scheduler: assets."""
-    import importlib
     folder = ARCHITECTURES / family
     index = json.loads((folder / "model_index.json").read_text())
     classes = {name: getattr(importlib.import_module(v[0]), v[1]) for name, v in index.items()
