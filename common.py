@@ -2160,10 +2160,11 @@ class PipelineAdapter(Adapter):
             for m in moved:
                 m.to("cpu")
 
-    def vae_decode(self, latents):
-        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift, where the VAE has them)."""
+    @torch.no_grad()
+    def decode(self, latents):
+        """VAE latents (SD3's as sampled) -> images in [0, 1], float32, undoing the VAE's scaling and shift if any."""
         c = self.vae.config
-        latents = latents / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
+        latents = latents.float() / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
         images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
@@ -2201,8 +2202,8 @@ class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
 
     @torch.no_grad()
     def decode(self, x):
-        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
-                                                         self.pipe.vae_scale_factor))
+        return super().decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
+                                                        self.pipe.vae_scale_factor))
 
 
 class SD3Adapter(PipelineAdapter):
@@ -2232,10 +2233,6 @@ class SD3Adapter(PipelineAdapter):
     def _forward(self, net, x, t, cond):  # the timestep in float32, as the pipeline: bf16 makes 913.35 912
         return net(hidden_states=x, timestep=t * 1000, encoder_hidden_states=cond["prompt_embeds"],
                    pooled_projections=cond["pooled"], return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(x.float())
 
 
 def distilled_defaults(model: str, path: str | None) -> dict:
@@ -2300,7 +2297,7 @@ class Flux2Adapter(PipelineAdapter):
         bn, eps = self.vae.bn, self.vae.config.batch_norm_eps
         x = rearrange(x.float(), "n (h w) c -> n c h w", h=self.h)
         x = x * torch.sqrt(bn.running_var + eps)[:, None, None] + bn.running_mean[:, None, None]
-        return self.vae_decode(self.pipe._unpatchify_latents(x))
+        return super().decode(self.pipe._unpatchify_latents(x))
 
 
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
@@ -2643,41 +2640,34 @@ _OPENCLIP_BLOCK = {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_p
     for p in ("weight", "bias")}
 
 
-def openclip_to_clip(state_dict: dict) -> dict:
-    """An open_clip CLIP state dict as transformers CLIPModel's: packed in_proj [q; k; v] rows split, `x @ proj`
-    matrices transposed into Linear weights, `module.` dropped; an unknown key keeps its name (for openclip_model)."""
-    out = {}
-    for key, value in state_dict.items():
+def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
+    """The open_clip checkpoint at `path` (tensors, or {"state_dict": ...} as HPS saves them; weights_only) as a
+    transformers CLIPModel of `config_id`'s architecture: packed in_proj [q; k; v] rows split, `x @ proj` matrices
+    transposed into Linear weights, `module.` dropped; a weight missing or extra is a ValueError naming it."""
+    from transformers import CLIPConfig, CLIPModel
+    ckpt, state = torch.load(path, map_location="cpu", weights_only=True), {}
+    for key, value in ckpt.get("state_dict", ckpt).items():
         name = key.removeprefix("module.")
         tower, _, rest = name.partition("transformer.resblocks.")
         index, _, inner = rest.partition(".")
         if name in _OPENCLIP_TOP:
-            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
+            state[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
         elif tower in ("visual.", "") and index.isdigit() and inner in _OPENCLIP_BLOCK:
             target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
             for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
-                out[target.format(part)] = chunk
+                state[target.format(part)] = chunk
         else:
-            out[key] = value
-    return out
-
-
-def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
-    """The open_clip checkpoint at `path` (tensors, or {"state_dict": ...} as HPS saves them; weights_only) as a
-    transformers CLIPModel of `config_id`'s architecture; a weight missing or extra is a ValueError naming it."""
-    from transformers import CLIPConfig, CLIPModel
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    weights = openclip_to_clip(state.get("state_dict", state))
+            state[key] = value  # unknown: named as it is by the check below
     config = CLIPConfig.from_pretrained(config_id)
     if quick_gelu:
         config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
     with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
         model = CLIPModel(config)
     expected = set(model.state_dict())
-    if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
+    if wrong := sorted(expected - set(state)) + sorted(set(state) - expected):
         raise ValueError(f"{path}: {wrong[0]!r} is missing from the checkpoint or not in the CLIPModel of "
                          f"{config_id} ({len(wrong)} keys differ)")
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
         emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
     if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
