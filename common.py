@@ -240,8 +240,7 @@ def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: lis
     """Freezes the transformer and adds a peft LoRA (diffusers' integration: the adapter can be disabled for the
     reference policy and saved in diffusers' format); rank 0 = full fine-tuning. Returns the trainable parameters."""
     if rank <= 0:
-        transformer.requires_grad_(True)
-        return list(transformer.parameters())
+        return list(transformer.requires_grad_(True).parameters())
     from peft import LoraConfig
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
@@ -262,8 +261,7 @@ def lora_disabled(transformer: torch.nn.Module):
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network (full_finetuning casts
-    and shards it as it does the trained one, so the two compute alike)."""
+    """Full fine-tuning's reference policy: a frozen copy, cast and sharded as the trained one (full_finetuning)."""
     return copy.deepcopy(module).eval().requires_grad_(False)
 
 
@@ -2053,13 +2051,12 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
                offload_encoders: bool = False):
     """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
     random / random:N for the published architecture with random weights (Appendix B). None: the adapter's default."""
+    import diffusers as d
     if name == "toy":
-        from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
-        return compile_blocks(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+        return compile_blocks(ToyAdapter(d.FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype), rt)
-    import diffusers as d
     cls, net_cls, adapter_cls = {"flux": (d.FluxPipeline, d.FluxTransformer2DModel, FluxAdapter),
                                  "sd3": (d.StableDiffusion3Pipeline, d.SD3Transformer2DModel, SD3Adapter),
                                  "flux2": (d.Flux2KleinPipeline, d.Flux2Transformer2DModel, Flux2Adapter)}[name]
@@ -2124,9 +2121,8 @@ class FluxFamilyAdapter(Adapter):
 
     def _forward(self, net, x, t, cond):  # the guidance embedding of a guidance-distilled model
         guidance = torch.full_like(t, float(self.guidance_scale)) if self.transformer.config.guidance_embeds else None
-        return net(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=cond["pooled"],
-                   encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids, img_ids=self.img_ids,
-                   return_dict=False)[0]
+        return net(hidden_states=x, timestep=t, guidance=guidance, txt_ids=self.txt_ids, img_ids=self.img_ids,
+                   pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
 
 class PipelineAdapter(Adapter):
@@ -2182,9 +2178,8 @@ class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
                          2 * pipe.vae_scale_factor)
         self.h = resolution // pipe.vae_scale_factor  # latent side before packing
-        self.channels = self.transformer.config.in_channels // 4
+        self.channels, self.txt_ids = self.transformer.config.in_channels // 4, None  # txt_ids: _encode's
         self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
-        self.txt_ids = None
 
     def _encode(self, prompts):
         embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
@@ -2215,13 +2210,11 @@ class SD3Adapter(PipelineAdapter):
                  max_sequence_length: int = 128, offload_encoders: bool = False):
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
                          pipe.vae_scale_factor * pipe.transformer.config.patch_size)
-        self.h = resolution // pipe.vae_scale_factor
-        self.channels = self.transformer.config.in_channels
+        self.h, self.channels = resolution // pipe.vae_scale_factor, self.transformer.config.in_channels
 
     def _encode(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.max_sequence_length)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                       device=self.device, max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     def noise(self, n, generator=None):
@@ -2416,8 +2409,7 @@ class CLIPScoreH(HPSv2):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        side = self.image_config["crop_size"]["height"]
-        self.image_config["size"] = {"height": side, "width": side}
+        self.image_config["size"] = dict.fromkeys(("height", "width"), self.image_config["crop_size"]["height"])
 
 
 class Aesthetic:
@@ -2567,7 +2559,6 @@ def hub_file(repo_or_folder: str, filename: str) -> str:
     return hf_hub_download(repo_or_folder, filename)
 
 
-# The (repository, file) pairs a scorer class loads, checked in the hub cache while offline (check_scorer_files).
 SCORER_FILES = {PickScore: (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json")),
                 CLIPScore: ((CLIP_L, "config.json"),), HPSv2: (("xswu/HPSv2", "HPS_v2.1_compressed.pt"),
                                                               (CLIP_H, "config.json")),
@@ -2622,15 +2613,13 @@ def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
     return (x - mean) / std
 
 
-# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
-# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
-_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+# open_clip CLIP -> transformers CLIPModel names: outside the residual blocks, then inside one ({}: q, k, v of in_proj)
+_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight", "logit_scale": "logit_scale",
                  "visual.class_embedding": "vision_model.embeddings.class_embedding",
                  "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
                  "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
                  "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
-                 "logit_scale": "logit_scale"} | {
+                 "positional_embedding": "text_model.embeddings.position_embedding.weight"} | {
     f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
                                         ("visual.ln_post", "vision_model.post_layernorm"),
                                         ("ln_final", "text_model.final_layer_norm")] for p in ("weight", "bias")}
@@ -2851,8 +2840,7 @@ def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | Non
         if fg.sum() == 0:
             colors.append(None), shapes.append(None)
             continue
-        mean_rgb = im[:, fg].mean(1)
-        colors.append(list(TOY_COLORS)[int(np.argmin(((palette - mean_rgb) ** 2).sum(1)))])
+        colors.append(list(TOY_COLORS)[int(np.argmin(((palette - im[:, fg].mean(1)) ** 2).sum(1)))])
         m = fg.ravel()
         iou = ((_TOY_MASKS & m).sum(-1) / np.maximum((_TOY_MASKS | m).sum(-1), 1)).max(1)  # best size per shape
         shapes.append(TOY_SHAPES[int(iou.argmax())] if iou.max() >= 0.5 else None)
@@ -2910,8 +2898,7 @@ class ToyTokenizer:
         ids = torch.full((len(prompts), self.max_length), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             toks = [self.vocab.get(w, self.unk_id) for w in p.lower().split()][: self.max_length - 2]
-            row = [self.bos_id, *toks, self.eos_id]
-            ids[i, : len(row)] = torch.tensor(row)
+            ids[i, : len(toks) + 2] = torch.tensor([self.bos_id, *toks, self.eos_id])
         return ids, (ids != self.pad_id).long()
 
 
@@ -2956,8 +2943,7 @@ class ToyAdapter(FluxFamilyAdapter):
 
 
 # ---- Appendix B. Offline pipelines: the real classes with random weights ----
-# --model-path random / random:N: the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from their hub
-# folders without weights, assets/architectures/<family>/ (small tokenizers; prompts padded to the real lengths).
+# --model-path random / random:N: the published pipelines from assets/architectures/<family>/, without weights (README)
 ARCHITECTURES = ASSETS / "architectures"
 
 
