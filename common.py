@@ -209,8 +209,7 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 #   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
 #   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
 #   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
-#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
-#                                   transformer to call (the trained one, DDP-wrapped or the reference)
+#   velocity(net, x, t, cond) -> v  v_theta in float32, CFG / guidance inside; `net`: trained (DDP-wrapped) or reference
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict), weights_dtype (the transformer's as loaded, and as published)
 MODELS = ("toy", "flux", "sd3", "flux2")
@@ -267,9 +266,8 @@ def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 class EMA:
     """Exponential moving average of the trainable parameters: after optimizer step n (from 1), if n + 1 is a multiple
-    of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`; with `warmup`, the official GRPO trainers' schedule,
-    d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False).
-    `offload`: the average in CPU memory (full fine-tuning on one GPU: FLUX.2-klein 4B's takes 15.5 GB)."""
+    of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`, or with `warmup` (the official GRPO trainers' schedule)
+    d = min((1 + n) / (10 + n), decay); a slow old policy is EMA(params, d, 1, warmup=False). `offload`: on the CPU."""
     swapped = 0  # copies swapped in now, of any EMA: a signal waits until none is (TrainingLoop.stop_if_signalled)
 
     def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True, offload: bool = False):
@@ -2161,8 +2159,7 @@ class PipelineAdapter(Adapter):
         """VAE latents (SD3's as sampled) -> images in [0, 1], float32, undoing the VAE's scaling and shift if any."""
         c = self.vae.config
         latents = latents.float() / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
-        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return (self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
     def save_lora(self, path, state_dict):
         type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
@@ -2380,8 +2377,7 @@ class CLIPScore(_CLIPSimilarity):
 
 
 class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 tuned on human preferences): cos(image, text), no logit scale; its open_clip
-    checkpoint as a CLIPModel of CLIP-H (openclip_model), images preprocessed as hpsv2 (resize_max_size, float)."""
+    """HPS v2.1: cos(image, text) as the hpsv2 package scores it; its open_clip checkpoint as a CLIP-H CLIPModel."""
 
     model_id, filename, processor_id = "xswu/HPSv2", "HPS_v2.1_compressed.pt", CLIP_H
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
@@ -2461,8 +2457,7 @@ class OCRScore:
     """ocr_reward(the text read in each image, its prompt), read by GOT-OCR 2.0 (transformers, 561M parameters) in
     place of the official PaddleOCR (recognise); a failed read raises, never a 0; `last_texts`: the last call's."""
 
-    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
-                 max_new_tokens: int = 128):
+    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32, max_new_tokens=128):
         from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
         self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
         self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
@@ -2833,8 +2828,7 @@ _TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's,
 def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
     """(colour, shape) of images (N, 3, 16, 16) in [0, 1]. Foreground: brightest channel > 0.5. Colour: the palette
     entry nearest the mean foreground colour; shape: the template (any size) of best IoU if >= 0.5; None if absent."""
-    palette = np.asarray(list(TOY_COLORS.values()))
-    colors, shapes = [], []
+    palette, colors, shapes = np.asarray(list(TOY_COLORS.values())), [], []
     for im in images.detach().float().cpu().numpy():
         fg = im.max(0) > 0.5
         if fg.sum() == 0:
@@ -2889,10 +2883,8 @@ class ToyTokenizer:
     2: CLIPTextModel pools at the first eos_token_id, but at argmax(input_ids) when eos_token_id == 2."""
 
     specials, max_length = ["<pad>", "<bos>", "<unk>", "<eos>"], 8
-
-    def __init__(self):
-        self.vocab = {w: i for i, w in enumerate([*self.specials, "a", "an", "the", *TOY_COLORS, *TOY_SHAPES])}
-        self.pad_id, self.bos_id, self.unk_id, self.eos_id = range(4)
+    pad_id, bos_id, unk_id, eos_id = range(4)
+    vocab = {w: i for i, w in enumerate([*specials, "a", "an", "the", *TOY_COLORS, *TOY_SHAPES])}
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full((len(prompts), self.max_length), self.pad_id, dtype=torch.long)
@@ -2974,9 +2966,8 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         for name in sorted(configs, key=lambda n: (n != "transformer", n)):  # each cast as built: one float32 at a time
-            cls = classes[name]
-            module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
-                cls.config_class(**configs[name]))
+            cls, config = classes[name], configs[name]
+            module = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
             dtype_kept = {"transformer": weight_dtype(dtype), "vae": torch.float32}.get(name, dtype)
             parts[name] = _cast(module, dtype_kept).eval()
     return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
