@@ -204,8 +204,7 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 
 
 # ---- 2. Models: one interface, so trainers never branch on the model; LoRA; the reference policy; the EMA ----
-# An adapter (section 13 and Appendix A; load_model makes one) holds the frozen parts (text encoders, VAE) and the
-# `transformer` being trained, and knows:
+# An adapter (load_model's; section 13, Appendix A) holds frozen encoders and VAE, the trained `transformer`, and knows:
 #   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
 #   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
 #   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
@@ -2327,8 +2326,7 @@ CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large
 
 
 class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel; the class's
-    model_id and processor_id (the model's own if None) unless given."""
+    """logit_scale.exp() * cos(image, text) / divisor by a CLIPModel, of the class's model and processor by default."""
 
     divisor, model_id, processor_id = 1.0, CLIP_L, None
 
@@ -2397,8 +2395,7 @@ class HPSv2(_CLIPSimilarity):
 
 
 class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (open_clip ViT-H-14, QuickGELU, 224 px): the papers' CLIP reward (README, Rewards), cos(image, text)
-    loaded as HPSv2, preprocessed as its open_clip config's resize_mode "squash": bicubic to 224 x 224, no crop."""
+    """DFN5B CLIP-H (the papers' CLIP reward): cos(image, text), loaded as HPSv2, resized without a crop ("squash")."""
 
     model_id, filename, quick_gelu = "apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin", True
     preprocess = _CLIPSimilarity.preprocess
@@ -2409,8 +2406,7 @@ class CLIPScoreH(HPSv2):
 
 
 class Aesthetic:
-    """The LAION aesthetic predictor v2: its linear MLP head as published (no activations, its dropouts identities) on
-    CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
+    """LAION's aesthetic predictor v2: its linear MLP head on CLIP-L/14's L2-normalised image embedding; no prompt."""
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id=CLIP_L, device="cpu", dtype=torch.float32):
@@ -2454,8 +2450,7 @@ def ocr_reward(recognised: str, prompt: str) -> float:
 
 
 class OCRScore:
-    """ocr_reward(the text read in each image, its prompt), read by GOT-OCR 2.0 (transformers, 561M parameters) in
-    place of the official PaddleOCR (recognise); a failed read raises, never a 0; `last_texts`: the last call's."""
+    """ocr_reward(text read, prompt), read by GOT-OCR 2.0, not the official PaddleOCR; `last_texts`: the last call's."""
 
     def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32, max_new_tokens=128):
         from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
@@ -2805,8 +2800,7 @@ def toy_parse(prompt: str, strict: bool = True) -> tuple[str | None, str | None]
 
 def toy_coverage(shape: str, half: float, size: int = TOY_SIZE, supersample: int = 4) -> np.ndarray:
     """Fraction of each pixel covered by a centred shape of half-size `half` (fraction of the canvas)."""
-    n = size * supersample
-    c = (np.arange(n) + 0.5) / n * 2 - 1  # [-1, 1], y downwards
+    c = (np.arange(size * supersample) + 0.5) / (size * supersample) * 2 - 1  # pixel centres in [-1, 1], y downwards
     y, x = np.meshgrid(c, c, indexing="ij")
     h = 2 * half
     masks = {"circle": x**2 + y**2 <= h**2, "square": np.maximum(np.abs(x), np.abs(y)) <= 0.85 * h,
@@ -2854,8 +2848,7 @@ def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 _TOY_SOFT_MASKS = torch.tensor(_toy_templates(np.linspace(*TOY_HALF_SIZE, 25)), dtype=torch.float32)  # every 0.005
-_TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
-                       for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
+_TOY_PALETTE_GAP = min(math.dist(a, b) for a, b in itertools.combinations(TOY_COLORS.values(), 2))  # 1.0
 
 
 def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -2896,8 +2889,7 @@ class ToyTokenizer:
 
 def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
     """Tokens (B, 64, 12) in [-1, 1], 2x2 patches as FLUX packs latents, back to images (B, 3, 16, 16) in [0, 1]."""
-    x = rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2)
-    return ((x + 1) / 2).clamp(0, 1)
+    return ((rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2) + 1) / 2).clamp(0, 1)
 
 
 class ToyAdapter(FluxFamilyAdapter):
