@@ -204,13 +204,11 @@ def cps_step(x: torch.Tensor, v: torch.Tensor, t, s, noise_level: float, next_x:
 
 
 # ---- 2. Models: one interface, so trainers never branch on the model; LoRA; the reference policy; the EMA ----
-# An adapter (section 13 and Appendix A; load_model makes one) holds the frozen parts (text encoders, VAE) and the
-# `transformer` being trained, and knows:
+# An adapter (load_model's; section 13, Appendix A) holds frozen encoders and VAE, the trained `transformer`, and knows:
 #   encode(prompts) -> cond         prompt embeddings (dict of batched tensors), no grad, reusable
 #   noise(n, generator) -> x        initial latents (n, N, C) or (n, C, h, w), float32
 #   sigmas(T) -> (T+1,)             the sampling grid, float32, t_0 = 1, t_T = 0
-#   velocity(net, x, t, cond) -> v  v_theta(x, t) in float32 with CFG / guidance inside; `net` is the
-#                                   transformer to call (the trained one, DDP-wrapped or the reference)
+#   velocity(net, x, t, cond) -> v  v_theta in float32, CFG / guidance inside; `net`: trained (DDP-wrapped) or reference
 #   decode(x) -> images             (n, 3, H, W) in [0, 1], float32
 #   lora_targets, save_lora(dir, state_dict), weights_dtype (the transformer's as loaded, and as published)
 MODELS = ("toy", "flux", "sd3", "flux2")
@@ -240,8 +238,7 @@ def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: lis
     """Freezes the transformer and adds a peft LoRA (diffusers' integration: the adapter can be disabled for the
     reference policy and saved in diffusers' format); rank 0 = full fine-tuning. Returns the trainable parameters."""
     if rank <= 0:
-        transformer.requires_grad_(True)
-        return list(transformer.parameters())
+        return list(transformer.requires_grad_(True).parameters())
     from peft import LoraConfig
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
@@ -262,16 +259,14 @@ def lora_disabled(transformer: torch.nn.Module):
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """The reference policy under full fine-tuning: a frozen copy of the pre-trained network (full_finetuning casts
-    and shards it as it does the trained one, so the two compute alike)."""
+    """Full fine-tuning's reference policy: a frozen copy, cast and sharded as the trained one (full_finetuning)."""
     return copy.deepcopy(module).eval().requires_grad_(False)
 
 
 class EMA:
     """Exponential moving average of the trainable parameters: after optimizer step n (from 1), if n + 1 is a multiple
-    of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`; with `warmup`, the official GRPO trainers' schedule,
-    d = min((1 + n) / (10 + n), decay). Any other soft copy (a slow old policy) is EMA(params, d, 1, warmup=False).
-    `offload`: the average in CPU memory (full fine-tuning on one GPU: FLUX.2-klein 4B's takes 15.5 GB)."""
+    of `every`, shadow <- d shadow + (1 - d) theta, d = `decay`, or with `warmup` (the official GRPO trainers' schedule)
+    d = min((1 + n) / (10 + n), decay); a slow old policy is EMA(params, d, 1, warmup=False). `offload`: on the CPU."""
     swapped = 0  # copies swapped in now, of any EMA: a signal waits until none is (TrainingLoop.stop_if_signalled)
 
     def __init__(self, params, decay: float = 0.9, every: int = 8, warmup: bool = True, offload: bool = False):
@@ -310,16 +305,14 @@ REWARD_NORMS = ("sum", "per-reward")
 
 
 class WeightedReward:
-    """Scorers with weights (`terms`: parse_reward_spec's [(name, weight), ...]). Called, it returns (total (N,),
-    {name: (N,)}), float32 on `device`: the weighted sum and each scorer's scores; a scorer that fails on any rank
-    stops every rank with the same line (stop_together)."""
+    """Scorers with weights (`terms`: parse_reward_spec's); called, (their weighted sum (N,), {name: scores (N,)}) in
+    float32 on `device`. A scorer that fails on any rank stops every rank with the same line (stop_together)."""
 
     def __init__(self, terms: list[tuple[str, float]], device="cpu", norm: str = "sum"):
         self.terms = [(name, w, RemoteReward(name[len("remote:"):], device) if name.startswith("remote:")
                        else REWARDS[name](device=device)) for name, w in terms]
         self.weights = {name: w for name, w, _ in self.terms}
-        self.device, self.norm = device, norm
-        self.calls = 0  # images scored so far
+        self.device, self.norm, self.calls = device, norm, 0  # calls: images scored so far
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None, batch_size: int | None = None):
@@ -368,10 +361,8 @@ def load_prompts(path: str | None, model: str) -> tuple[list[dict], list[dict]]:
 
 def sample_prompts(records: list[dict], n: int, generator: torch.Generator) -> list[dict]:
     """n records for one iteration: without replacement when the set is large enough."""
-    if n <= len(records):
-        idx = torch.randperm(len(records), generator=generator)[:n]
-    else:
-        idx = torch.randint(len(records), (n,), generator=generator)
+    idx = (torch.randperm(len(records), generator=generator)[:n] if n <= len(records)
+           else torch.randint(len(records), (n,), generator=generator))
     return [records[i] for i in idx.tolist()]
 
 
@@ -2057,13 +2048,12 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
                offload_encoders: bool = False):
     """The adapter for --model `name`; `path` overrides the hub id or shipped weights (from_pretrained), or is
     random / random:N for the published architecture with random weights (Appendix B). None: the adapter's default."""
+    import diffusers as d
     if name == "toy":
-        from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextModel
         root = Path(path) if path else ASSETS / "toy"
-        return compile_blocks(ToyAdapter(FluxTransformer2DModel.from_pretrained(root / "transformer"),
+        return compile_blocks(ToyAdapter(d.FluxTransformer2DModel.from_pretrained(root / "transformer"),
                                          CLIPTextModel.from_pretrained(root / "text_encoder"), rt.device, rt.dtype), rt)
-    import diffusers as d
     cls, net_cls, adapter_cls = {"flux": (d.FluxPipeline, d.FluxTransformer2DModel, FluxAdapter),
                                  "sd3": (d.StableDiffusion3Pipeline, d.SD3Transformer2DModel, SD3Adapter),
                                  "flux2": (d.Flux2KleinPipeline, d.Flux2Transformer2DModel, Flux2Adapter)}[name]
@@ -2084,8 +2074,7 @@ def load_model(name: str, rt: Runtime, path: str | None = None, resolution: int 
 
 
 def weight_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The transformer's frozen weights: float32 under fp16 compute (fp16 autocast over float32 weights, with loss
-    scaling, as the official SD3.5 recipes train), else the compute dtype. Trained weights are float32 (add_lora)."""
+    """The frozen transformer's dtype: float32 under fp16 (autocast over float32, as SD3.5's recipes train), else it."""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -2129,9 +2118,8 @@ class FluxFamilyAdapter(Adapter):
 
     def _forward(self, net, x, t, cond):  # the guidance embedding of a guidance-distilled model
         guidance = torch.full_like(t, float(self.guidance_scale)) if self.transformer.config.guidance_embeds else None
-        return net(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=cond["pooled"],
-                   encoder_hidden_states=cond["prompt_embeds"], txt_ids=self.txt_ids, img_ids=self.img_ids,
-                   return_dict=False)[0]
+        return net(hidden_states=x, timestep=t, guidance=guidance, txt_ids=self.txt_ids, img_ids=self.img_ids,
+                   pooled_projections=cond["pooled"], encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
 
 
 class PipelineAdapter(Adapter):
@@ -2150,32 +2138,27 @@ class PipelineAdapter(Adapter):
         self.guidance_scale, self.max_sequence_length = guidance_scale, max_sequence_length
         self.offload_encoders, self.negative = offload_encoders, None
 
-    @contextlib.contextmanager
-    def encoders_on_device(self):
+    @torch.no_grad()
+    def encode(self, prompts):
         """--offload-encoders: the text encoders on the compute device for an encode only (T5-XXL: 9.5 GB in bf16)."""
         moved = [m for name, m in self.pipe.components.items() if name.startswith("text_encoder") and m is not None
                  and self.offload_encoders]
         for m in moved:
             m.to(self.device)
         try:
-            yield
+            if self.negative is None and self.cfg:
+                self.negative = self._encode([""])
+            return self._encode(prompts)
         finally:
             for m in moved:
                 m.to("cpu")
 
     @torch.no_grad()
-    def encode(self, prompts):
-        with self.encoders_on_device():
-            if self.negative is None and self.cfg:
-                self.negative = self._encode([""])
-            return self._encode(prompts)
-
-    def vae_decode(self, latents):
-        """Latents -> images in [0, 1], in float32 (the pipelines' scaling and shift, where the VAE has them)."""
+    def decode(self, latents):
+        """VAE latents (SD3's as sampled) -> images in [0, 1], float32, undoing the VAE's scaling and shift if any."""
         c = self.vae.config
-        latents = latents / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
-        images = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        latents = latents.float() / c.get("scaling_factor", 1.0) + (c.get("shift_factor") or 0.0)
+        return (self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
     def save_lora(self, path, state_dict):
         type(self.pipe).save_lora_weights(path, transformer_lora_layers=state_dict)
@@ -2191,9 +2174,8 @@ class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
                          2 * pipe.vae_scale_factor)
         self.h = resolution // pipe.vae_scale_factor  # latent side before packing
-        self.channels = self.transformer.config.in_channels // 4
+        self.channels, self.txt_ids = self.transformer.config.in_channels // 4, None  # txt_ids: _encode's
         self.img_ids = pipe._prepare_latent_image_ids(1, self.h // 2, self.h // 2, device, dtype)
-        self.txt_ids = None
 
     def _encode(self, prompts):
         embeds, pooled, self.txt_ids = self.pipe.encode_prompt(prompts, prompt_2=None, device=self.device,
@@ -2211,8 +2193,8 @@ class FluxAdapter(FluxFamilyAdapter, PipelineAdapter):
 
     @torch.no_grad()
     def decode(self, x):
-        return self.vae_decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
-                                                         self.pipe.vae_scale_factor))
+        return super().decode(self.pipe._unpack_latents(x.float(), self.resolution, self.resolution,
+                                                        self.pipe.vae_scale_factor))
 
 
 class SD3Adapter(PipelineAdapter):
@@ -2224,13 +2206,11 @@ class SD3Adapter(PipelineAdapter):
                  max_sequence_length: int = 128, offload_encoders: bool = False):
         super().__init__(pipe, device, dtype, resolution, guidance_scale, max_sequence_length, offload_encoders,
                          pipe.vae_scale_factor * pipe.transformer.config.patch_size)
-        self.h = resolution // pipe.vae_scale_factor
-        self.channels = self.transformer.config.in_channels
+        self.h, self.channels = resolution // pipe.vae_scale_factor, self.transformer.config.in_channels
 
     def _encode(self, prompts):
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.max_sequence_length)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                       device=self.device, max_sequence_length=self.max_sequence_length)
         return {"prompt_embeds": embeds, "pooled": pooled}
 
     def noise(self, n, generator=None):
@@ -2243,15 +2223,10 @@ class SD3Adapter(PipelineAdapter):
         return net(hidden_states=x, timestep=t * 1000, encoder_hidden_states=cond["prompt_embeds"],
                    pooled_projections=cond["pooled"], return_dict=False)[0]
 
-    @torch.no_grad()
-    def decode(self, x):
-        return self.vae_decode(x.float())
-
 
 def distilled_defaults(model: str, path: str | None) -> dict:
-    """A step-distilled FLUX.2-klein's defaults, over MODEL_DEFAULTS["flux2"] (the base model's) in the trainers and
-    evaluate: 4 steps without CFG, where --model-path's model_index.json (read into the hub cache) says is_distilled
-    (the 4B and 9B not named "base"); {} else, or if it does not read: check_model then names what is wrong."""
+    """A step-distilled FLUX.2-klein's defaults over MODEL_DEFAULTS["flux2"] (the base model's): 4 steps without CFG,
+    where --model-path's model_index.json says is_distilled; {} else, or unread (check_model names what is wrong)."""
     with contextlib.suppress(Exception):
         if model == "flux2" and path and not path.startswith("random") and json.loads(Path(hub_file(
                 path, "model_index.json")).read_text()).get("is_distilled") is True:
@@ -2263,10 +2238,9 @@ class Flux2Adapter(PipelineAdapter):
     """FLUX.2-klein: Qwen3's layers 9, 18 and 27 side by side, tokens of 2x2 patches of 32 VAE channels scaled by a
     batch norm's statistics, 4-axis position ids, a shift of image size and step count; CFG unless step-distilled."""
 
+    name = "FLUX.2"
     lora_targets = property(lambda self: FLUX2_LORA_TARGETS + [  # each single block's to_out by name
         f"single_transformer_blocks.{i}.attn.to_out" for i in range(len(self.transformer.single_transformer_blocks))])
-
-    name = "FLUX.2"
 
     def __init__(self, pipe, device, dtype, resolution: int = 512, guidance_scale: float | None = None,
                  max_sequence_length: int = 512, offload_encoders: bool = False):
@@ -2312,12 +2286,11 @@ class Flux2Adapter(PipelineAdapter):
         bn, eps = self.vae.bn, self.vae.config.batch_norm_eps
         x = rearrange(x.float(), "n (h w) c -> n c h w", h=self.h)
         x = x * torch.sqrt(bn.running_var + eps)[:, None, None] + bn.running_mean[:, None, None]
-        return self.vae_decode(self.pipe._unpatchify_latents(x))
+        return super().decode(self.pipe._unpatchify_latents(x))
 
 
 def _freeze_pipeline(pipe, device, dtype, offload_encoders: bool = False):
-    """Every module frozen on `device` (the text encoders on the CPU with offload_encoders): the text encoders
-    in `dtype` (_cast), the transformer in weight_dtype(dtype), the VAE in float32."""
+    """Every module frozen and cast (_cast) on `device`, but the text encoders on the CPU with offload_encoders."""
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
             offload = offload_encoders and name.startswith("text_encoder")
@@ -2353,8 +2326,7 @@ CLIP_H, CLIP_L = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "openai/clip-vit-large
 
 
 class _CLIPSimilarity:
-    """logit_scale.exp() * cos(image embedding, text embedding) / divisor with a transformers CLIPModel; the class's
-    model_id and processor_id (the model's own if None) unless given."""
+    """logit_scale.exp() * cos(image, text) / divisor by a CLIPModel, of the class's model and processor by default."""
 
     divisor, model_id, processor_id = 1.0, CLIP_L, None
 
@@ -2391,8 +2363,7 @@ class _CLIPSimilarity:
 
 
 class PickScore(_CLIPSimilarity):
-    """PickScore_v1 (CLIP-H fine-tuned on human preferences) as the official GRPO trainers scale it, 100 cos / 26
-    (typical values 0.8-0.9), with the processor of the CLIP-H it was fine-tuned from."""
+    """PickScore_v1 (CLIP-H tuned on human preferences), 100 cos / 26 as GRPO trainers scale it, CLIP-H's processor."""
 
     divisor, model_id, processor_id = 26.0, "yuvalkirstain/PickScore_v1", CLIP_H
 
@@ -2404,8 +2375,7 @@ class CLIPScore(_CLIPSimilarity):
 
 
 class HPSv2(_CLIPSimilarity):
-    """HPS v2.1 (OpenCLIP ViT-H-14 tuned on human preferences): cos(image, text), no logit scale; its open_clip
-    checkpoint as a CLIPModel of CLIP-H (openclip_model), images preprocessed as hpsv2 (resize_max_size, float)."""
+    """HPS v2.1: cos(image, text) as the hpsv2 package scores it; its open_clip checkpoint as a CLIP-H CLIPModel."""
 
     model_id, filename, processor_id = "xswu/HPSv2", "HPS_v2.1_compressed.pt", CLIP_H
     quick_gelu = False  # the MLP activation the checkpoint was trained with: GELU, or (True) open_clip's QuickGELU
@@ -2425,28 +2395,29 @@ class HPSv2(_CLIPSimilarity):
 
 
 class CLIPScoreH(HPSv2):
-    """DFN5B CLIP-H (open_clip ViT-H-14, QuickGELU, 224 px): the papers' CLIP reward (README, Rewards), cos(image, text)
-    loaded as HPSv2, preprocessed as its open_clip config's resize_mode "squash": bicubic to 224 x 224, no crop."""
+    """DFN5B CLIP-H (the papers' CLIP reward): cos(image, text), loaded as HPSv2, resized without a crop ("squash")."""
 
     model_id, filename, quick_gelu = "apple/DFN5B-CLIP-ViT-H-14", "open_clip_pytorch_model.bin", True
     preprocess = _CLIPSimilarity.preprocess
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        side = self.image_config["crop_size"]["height"]
-        self.image_config["size"] = {"height": side, "width": side}
+        self.image_config["size"] = dict.fromkeys(("height", "width"), self.image_config["crop_size"]["height"])
 
 
 class Aesthetic:
-    """The LAION aesthetic predictor v2 (`sac+logos+ava1-l14-linearMSE.pth`): its linear MLP head (no activations)
-    on CLIP ViT-L/14's L2-normalised image embedding. A 1-10 rating (typical 5-6.5); the prompt is not read."""
+    """LAION's aesthetic predictor v2: its linear MLP head on CLIP-L/14's L2-normalised image embedding; no prompt."""
 
     def __init__(self, model_id="camenduru/improved-aesthetic-predictor", filename="sac+logos+ava1-l14-linearMSE.pth",
                  clip_id=CLIP_L, device="cpu", dtype=torch.float32):
         from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
         self.image_config = CLIPImageProcessor.from_pretrained(clip_id).to_dict()
         self.clip = CLIPVisionModelWithProjection.from_pretrained(clip_id, dtype=dtype).eval().requires_grad_(False)
-        self.head = aesthetic_head(hub_file(model_id, filename), self.clip.config.projection_dim)
+        lin, drop, dim = torch.nn.Linear, torch.nn.Identity, self.clip.config.projection_dim  # the file's `layers`
+        self.head = torch.nn.Sequential(lin(dim, 1024), drop(), lin(1024, 128), drop(), lin(128, 64), drop(),
+                                        lin(64, 16), lin(16, 1))
+        state = torch.load(hub_file(model_id, filename), map_location="cpu", weights_only=True)
+        self.head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
         self.clip.to(device), self.head.eval().requires_grad_(False).to(device)
         self.device, self.dtype = torch.device(device), dtype
 
@@ -2475,17 +2446,13 @@ def ocr_reward(recognised: str, prompt: str) -> float:
     recognised text, else min(their edit distance, len(target)). An empty target scores 1 (the official code fails)."""
     target = prompt.split('"')[1] if '"' in prompt else prompt
     target, text = ("".join(s.split()).lower() for s in (target, recognised))
-    if target in text:
-        return 1.0
-    return 1.0 - min(edit_distance(text, target), len(target)) / len(target)
+    return 1.0 if target in text else 1.0 - min(edit_distance(text, target), len(target)) / len(target)
 
 
 class OCRScore:
-    """ocr_reward(the text read in each image, its prompt), read by GOT-OCR 2.0 (transformers, 561M parameters) in
-    place of the official PaddleOCR (recognise); a failed read raises, never a 0; `last_texts`: the last call's."""
+    """ocr_reward(text read, prompt), read by GOT-OCR 2.0, not the official PaddleOCR; `last_texts`: the last call's."""
 
-    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32,
-                 max_new_tokens: int = 128):
+    def __init__(self, model_id="stepfun-ai/GOT-OCR-2.0-hf", device="cpu", dtype=torch.float32, max_new_tokens=128):
         from transformers import GotOcr2ForConditionalGeneration, GotOcr2Processor
         self.processor = GotOcr2Processor.from_pretrained(model_id, backend="pil")
         self.model = GotOcr2ForConditionalGeneration.from_pretrained(model_id, dtype=dtype)
@@ -2515,8 +2482,7 @@ class OCRScore:
 
 
 class ImageRewardScore:
-    """ImageReward v1.0's raw score through the `image-reward` package, one image at a time; it needs transformers<4.56
-    and torchvision, so it is served from an environment of its own (`python common.py serve-reward`, README)."""
+    """ImageReward v1.0's raw score by the `image-reward` package, one image at a time, in an environment of its own."""
 
     def __init__(self, model_id="ImageReward-v1.0", device="cpu", dtype=torch.float32):
         try:
@@ -2551,12 +2517,10 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         if part.lower().startswith("remote:"):
             head, _, last = part[len("remote:"):].rpartition("/")
             last, _, w = last.partition(":")
-            name = f"remote:{head}/{last}"
-            try:  # an unclosed [, a port that is not a number in 1-65535
+            name, bad = f"remote:{head}/{last}", True
+            with contextlib.suppress(ValueError):  # an unclosed [, a port that is not a number in 1-65535
                 url = urllib.parse.urlsplit(name[7:])
                 bad = not url.hostname or url.port == 0
-            except ValueError:
-                bad = True
             if bad or not (head.startswith(("http://", "https://")) and head.count("/") >= 2 and last) or name in out:
                 raise UsageError(f"bad or repeated remote reward {part!r} in --reward {spec!r}; write "
                                  f"remote:http://HOST:PORT/NAME[:WEIGHT] (a PORT in 1-65535)")
@@ -2585,7 +2549,6 @@ def hub_file(repo_or_folder: str, filename: str) -> str:
     return hf_hub_download(repo_or_folder, filename)
 
 
-# The (repository, file) pairs a scorer class loads, checked in the hub cache while offline (check_scorer_files).
 SCORER_FILES = {PickScore: (("yuvalkirstain/PickScore_v1", "config.json"), (CLIP_H, "preprocessor_config.json")),
                 CLIPScore: ((CLIP_L, "config.json"),), HPSv2: (("xswu/HPSv2", "HPS_v2.1_compressed.pt"),
                                                               (CLIP_H, "config.json")),
@@ -2640,15 +2603,13 @@ def normalise(x: torch.Tensor, config: dict) -> torch.Tensor:
     return (x - mean) / std
 
 
-# open_clip CLIP -> transformers CLIPModel names: the keys outside the residual blocks, then those inside one block
-# (under visual.transformer.resblocks.{i}. or transformer.resblocks.{i}.); {} is q, k, v of the packed projection.
-_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+# open_clip CLIP -> transformers CLIPModel names: outside the residual blocks, then inside one ({}: q, k, v of in_proj)
+_OPENCLIP_TOP = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight", "logit_scale": "logit_scale",
                  "visual.class_embedding": "vision_model.embeddings.class_embedding",
                  "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
                  "visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight",
                  "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
-                 "positional_embedding": "text_model.embeddings.position_embedding.weight",
-                 "logit_scale": "logit_scale"} | {
+                 "positional_embedding": "text_model.embeddings.position_embedding.weight"} | {
     f"{a}.{p}": f"{b}.{p}" for a, b in [("visual.ln_pre", "vision_model.pre_layrnorm"),
                                         ("visual.ln_post", "vision_model.post_layernorm"),
                                         ("ln_final", "text_model.final_layer_norm")] for p in ("weight", "bias")}
@@ -2658,57 +2619,39 @@ _OPENCLIP_BLOCK = {"attn.in_proj_weight": "self_attn.{}_proj.weight", "attn.in_p
     for p in ("weight", "bias")}
 
 
-def openclip_to_clip(state_dict: dict) -> dict:
-    """An open_clip CLIP state dict as transformers CLIPModel's: packed in_proj [q; k; v] rows split, `x @ proj`
-    matrices transposed into Linear weights, `module.` dropped; an unknown key keeps its name (for openclip_model)."""
-    out = {}
-    for key, value in state_dict.items():
+def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
+    """The open_clip checkpoint at `path` (tensors, or {"state_dict": ...} as HPS saves them; weights_only) as a
+    transformers CLIPModel of `config_id`'s architecture: packed in_proj [q; k; v] rows split, `x @ proj` matrices
+    transposed into Linear weights, `module.` dropped; a weight missing or extra is a ValueError naming it."""
+    from transformers import CLIPConfig, CLIPModel
+    ckpt, state = torch.load(path, map_location="cpu", weights_only=True), {}
+    for key, value in ckpt.get("state_dict", ckpt).items():
         name = key.removeprefix("module.")
         tower, _, rest = name.partition("transformer.resblocks.")
         index, _, inner = rest.partition(".")
         if name in _OPENCLIP_TOP:
-            out[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
+            state[_OPENCLIP_TOP[name]] = value.t().contiguous() if name in ("visual.proj", "text_projection") else value
         elif tower in ("visual.", "") and index.isdigit() and inner in _OPENCLIP_BLOCK:
             target = f"{'vision' if tower else 'text'}_model.encoder.layers.{int(index)}.{_OPENCLIP_BLOCK[inner]}"
             for part, chunk in zip("qkv", value.chunk(3)) if inner.startswith("attn.in_proj") else [("", value)]:
-                out[target.format(part)] = chunk
+                state[target.format(part)] = chunk
         else:
-            out[key] = value
-    return out
-
-
-def openclip_model(path: str, config_id: str, quick_gelu: bool, dtype: torch.dtype):
-    """The open_clip checkpoint at `path` (tensors, or {"state_dict": ...} as HPS saves them; weights_only) as a
-    transformers CLIPModel of `config_id`'s architecture; a weight missing or extra is a ValueError naming it."""
-    from transformers import CLIPConfig, CLIPModel
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    weights = openclip_to_clip(state.get("state_dict", state))
+            state[key] = value  # unknown: named as it is by the check below
     config = CLIPConfig.from_pretrained(config_id)
     if quick_gelu:
         config.text_config.hidden_act = config.vision_config.hidden_act = "quick_gelu"
     with torch.device("meta"):  # the architecture only: CLIP-H's own weights are never downloaded
         model = CLIPModel(config)
     expected = set(model.state_dict())
-    if wrong := sorted(expected - set(weights)) + sorted(set(weights) - expected):
+    if wrong := sorted(expected - set(state)) + sorted(set(state) - expected):
         raise ValueError(f"{path}: {wrong[0]!r} is missing from the checkpoint or not in the CLIPModel of "
                          f"{config_id} ({len(wrong)} keys differ)")
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     for emb in (model.vision_model.embeddings, model.text_model.embeddings):  # non-persistent: in no state dict
         emb.position_ids = torch.arange(emb.position_ids.shape[-1]).expand(1, -1)
     if meta := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
         raise RuntimeError(f"openclip_model: {meta[0]!r}, new in this transformers' CLIPModel, was not loaded")
     return model
-
-
-def aesthetic_head(path: str, dim: int) -> torch.nn.Sequential:
-    """The aesthetic predictor's head as published (`layers`: Linear, Dropout, Linear, Dropout, Linear, Dropout, Linear,
-    Linear), its dropouts identities: dim -> 1024 -> 128 -> 64 -> 16 -> 1."""
-    lin, drop = torch.nn.Linear, torch.nn.Identity
-    head = torch.nn.Sequential(lin(dim, 1024), drop(), lin(1024, 128), drop(), lin(128, 64), drop(), lin(64, 16),
-                               lin(16, 1))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
-    return head
 
 
 def read_prompt_file(path: str, model: str) -> list[dict]:
@@ -2731,10 +2674,9 @@ def read_prompt_file(path: str, model: str) -> list[dict]:
             continue
         rec = {"prompt": ln.strip()}
         if p.name.lower().removesuffix(".gz").endswith(".jsonl"):
-            try:
+            rec = None
+            with contextlib.suppress(json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 rec = json.loads(ln)
-            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-                rec = None
             if not (isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
                 raise UsageError(f"{path}:{n} is not a JSON object with a non-empty string 'prompt' key")
             if rec.get("split", "train") not in ("train", "eval"):
@@ -2858,21 +2800,15 @@ def toy_parse(prompt: str, strict: bool = True) -> tuple[str | None, str | None]
 
 def toy_coverage(shape: str, half: float, size: int = TOY_SIZE, supersample: int = 4) -> np.ndarray:
     """Fraction of each pixel covered by a centred shape of half-size `half` (fraction of the canvas)."""
-    n = size * supersample
-    c = (np.arange(n) + 0.5) / n * 2 - 1  # [-1, 1], y downwards
+    c = (np.arange(size * supersample) + 0.5) / (size * supersample) * 2 - 1  # pixel centres in [-1, 1], y downwards
     y, x = np.meshgrid(c, c, indexing="ij")
     h = 2 * half
-    if shape == "circle":
-        m = x**2 + y**2 <= h**2
-    elif shape == "square":
-        m = np.maximum(np.abs(x), np.abs(y)) <= 0.85 * h
-    elif shape == "triangle":  # apex up, base down
-        m = (y >= -h) & (y <= h) & (np.abs(x) <= (y + h) / 2)
-    elif shape == "cross":
-        m = ((np.abs(x) <= h / 3) & (np.abs(y) <= h)) | ((np.abs(y) <= h / 3) & (np.abs(x) <= h))
-    else:
+    masks = {"circle": x**2 + y**2 <= h**2, "square": np.maximum(np.abs(x), np.abs(y)) <= 0.85 * h,
+             "triangle": (y >= -h) & (y <= h) & (np.abs(x) <= (y + h) / 2),  # apex up, base down
+             "cross": ((np.abs(x) <= h / 3) & (np.abs(y) <= h)) | ((np.abs(y) <= h / 3) & (np.abs(x) <= h))}
+    if shape not in masks:
         raise ValueError(f"unknown toy shape {shape!r}")
-    return m.reshape(size, supersample, size, supersample).mean((1, 3))
+    return masks[shape].reshape(size, supersample, size, supersample).mean((1, 3))
 
 
 def _toy_templates(halves) -> np.ndarray:
@@ -2886,16 +2822,13 @@ _TOY_MASKS = _toy_templates(np.linspace(0.2, 0.48, 15)) > 0.5  # toy_classify's,
 def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | None]]:
     """(colour, shape) of images (N, 3, 16, 16) in [0, 1]. Foreground: brightest channel > 0.5. Colour: the palette
     entry nearest the mean foreground colour; shape: the template (any size) of best IoU if >= 0.5; None if absent."""
-    imgs = images.detach().float().cpu().numpy()
-    palette = np.asarray(list(TOY_COLORS.values()))
-    colors, shapes = [], []
-    for im in imgs:
+    palette, colors, shapes = np.asarray(list(TOY_COLORS.values())), [], []
+    for im in images.detach().float().cpu().numpy():
         fg = im.max(0) > 0.5
         if fg.sum() == 0:
             colors.append(None), shapes.append(None)
             continue
-        mean_rgb = im[:, fg].mean(1)
-        colors.append(list(TOY_COLORS)[int(np.argmin(((palette - mean_rgb) ** 2).sum(1)))])
+        colors.append(list(TOY_COLORS)[int(np.argmin(((palette - im[:, fg].mean(1)) ** 2).sum(1)))])
         m = fg.ravel()
         iou = ((_TOY_MASKS & m).sum(-1) / np.maximum((_TOY_MASKS | m).sum(-1), 1)).max(1)  # best size per shape
         shapes.append(TOY_SHAPES[int(iou.argmax())] if iou.max() >= 0.5 else None)
@@ -2905,8 +2838,7 @@ def toy_classify(images: torch.Tensor) -> tuple[list[str | None], list[str | Non
 def toy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """GenEval-like partial credit: 0.5 for the right colour + 0.5 for the right shape. (N,) float32."""
     colors, shapes = toy_classify(images)
-    target = [toy_parse(p) for p in prompts]
-    r = [0.5 * (c == tc) + 0.5 * (s == ts) for c, s, (tc, ts) in zip(colors, shapes, target)]
+    r = [0.5 * (c == tc) + 0.5 * (s == ts) for c, s, (tc, ts) in zip(colors, shapes, map(toy_parse, prompts))]
     return torch.tensor(r, dtype=torch.float32)
 
 
@@ -2916,8 +2848,7 @@ def toy_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 _TOY_SOFT_MASKS = torch.tensor(_toy_templates(np.linspace(*TOY_HALF_SIZE, 25)), dtype=torch.float32)  # every 0.005
-_TOY_PALETTE_GAP = min(float(np.linalg.norm(np.subtract(a, b))) for a in TOY_COLORS.values()
-                       for b in TOY_COLORS.values() if a != b)  # 1.0: red-yellow, green-yellow, yellow-white
+_TOY_PALETTE_GAP = min(math.dist(a, b) for a, b in itertools.combinations(TOY_COLORS.values(), 2))  # 1.0
 
 
 def toy_soft_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -2944,39 +2875,31 @@ class ToyTokenizer:
     """Word-level tokenizer for the toy grammar: <bos> words <eos> <pad>..., unknown words <unk>. The eos id is not
     2: CLIPTextModel pools at the first eos_token_id, but at argmax(input_ids) when eos_token_id == 2."""
 
-    specials = ["<pad>", "<bos>", "<unk>", "<eos>"]
-    max_length = 8
-
-    def __init__(self):
-        words = ["a", "an", "the", *TOY_COLORS, *TOY_SHAPES]
-        self.vocab = {w: i for i, w in enumerate(self.specials + words)}
-        self.pad_id, self.bos_id, self.unk_id, self.eos_id = range(4)
+    specials, max_length = ["<pad>", "<bos>", "<unk>", "<eos>"], 8
+    pad_id, bos_id, unk_id, eos_id = range(4)
+    vocab = {w: i for i, w in enumerate([*specials, "a", "an", "the", *TOY_COLORS, *TOY_SHAPES])}
 
     def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full((len(prompts), self.max_length), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             toks = [self.vocab.get(w, self.unk_id) for w in p.lower().split()][: self.max_length - 2]
-            row = [self.bos_id, *toks, self.eos_id]
-            ids[i, : len(row)] = torch.tensor(row)
+            ids[i, : len(toks) + 2] = torch.tensor([self.bos_id, *toks, self.eos_id])
         return ids, (ids != self.pad_id).long()
 
 
 def toy_unpack(tokens: torch.Tensor) -> torch.Tensor:
     """Tokens (B, 64, 12) in [-1, 1], 2x2 patches as FLUX packs latents, back to images (B, 3, 16, 16) in [0, 1]."""
-    x = rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2)
-    return ((x + 1) / 2).clamp(0, 1)
+    return ((rearrange(tokens, "b (h w) (c p q) -> b c (h p) (w q)", h=TOY_SIZE // 2, p=2, q=2) + 1) / 2).clamp(0, 1)
 
 
 class ToyAdapter(FluxFamilyAdapter):
     """The toy world's model: pixels packed 2x2 are the latents, so decode is unpacking; float32 weights."""
 
-    lora_targets = FLUX_LORA_TARGETS
-    weights_dtype = torch.float32
+    lora_targets, weights_dtype = FLUX_LORA_TARGETS, torch.float32
 
     def __init__(self, transformer, text_encoder, device, dtype=torch.float32):
-        self.transformer, self.text_encoder = transformer.to(device), text_encoder.to(device).eval()
-        self.text_encoder.requires_grad_(False)
-        self.tokenizer = ToyTokenizer()
+        self.text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+        self.transformer, self.tokenizer = transformer.to(device), ToyTokenizer()
         self.device, self.dtype, self.resolution = device, dtype, TOY_SIZE
         rows, cols = torch.meshgrid(torch.arange(TOY_SIZE // 2.0), torch.arange(TOY_SIZE // 2.0), indexing="ij")
         self.img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).flatten(0, 1).to(device)  # (N, 3) as FLUX
@@ -3004,8 +2927,7 @@ class ToyAdapter(FluxFamilyAdapter):
 
 
 # ---- Appendix B. Offline pipelines: the real classes with random weights ----
-# --model-path random / random:N: the published architectures (FLUX.1-dev, SD 3.5 Medium) offline from their hub
-# folders without weights, assets/architectures/<family>/ (small tokenizers; prompts padded to the real lengths).
+# --model-path random / random:N: the published pipelines from assets/architectures/<family>/, without weights (README)
 ARCHITECTURES = ASSETS / "architectures"
 
 
@@ -3028,7 +2950,6 @@ def architecture(family: str, blocks: int | None = None) -> dict:
 def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtype=torch.float32):
     """The `family` pipeline built from `configs` (`architecture`'s, or any sizes), random weights from `seed` on
     `device` ("meta": shapes only) in the dtypes _freeze_pipeline keeps for `dtype`; tokenizers, scheduler: assets."""
-    import importlib
     folder = ARCHITECTURES / family
     index = json.loads((folder / "model_index.json").read_text())
     classes = {name: getattr(importlib.import_module(v[0]), v[1]) for name, v in index.items()
@@ -3037,9 +2958,8 @@ def build_pipeline(family: str, configs: dict, seed: int = 0, device="cpu", dtyp
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         for name in sorted(configs, key=lambda n: (n != "transformer", n)):  # each cast as built: one float32 at a time
-            cls = classes[name]
-            module = cls.from_config(configs[name]) if hasattr(cls, "from_config") else cls(
-                cls.config_class(**configs[name]))
+            cls, config = classes[name], configs[name]
+            module = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
             dtype_kept = {"transformer": weight_dtype(dtype), "vae": torch.float32}.get(name, dtype)
             parts[name] = _cast(module, dtype_kept).eval()
     return getattr(importlib.import_module("diffusers"), index["_class_name"])(**parts)
