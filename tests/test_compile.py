@@ -16,7 +16,7 @@ from helpers import (ROOT, TRAINERS, read_metrics, run, straight_and_resumed, ti
 CPU = torch.device("cpu")
 
 
-@pytest.mark.slow  # about 30 s of compiling on 2 cores; the default suite: the compiled run below
+@pytest.mark.slow  # about 30 s of compiling on 2 cores; the default suite: the compiled block below
 def test_one_compiled_code_per_block_class_with_the_lora_inside():
     """Three blocks of each FLUX kind: the compiles do not grow with the blocks. The double blocks share one graph, the
     single blocks two (the first one's input has another layout: strides are guarded), with the LoRA on and off. The
@@ -45,7 +45,34 @@ def test_one_compiled_code_per_block_class_with_the_lora_inside():
     assert not torch.equal(v, v_base)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
+def test_a_compiled_block_computes_with_grad_what_it_computes_without():
+    """The default suite's compile check (the compiled runs and every block class: slow, below and above): a FLUX double
+    block with a LoRA in it, compiled in bf16, computes without grad (the rollout's forward) and with grad (the
+    update's) the eager velocity bit for bit, each in a graph of its own: under --compile the first update stays
+    on-policy."""
+    configs = tiny_configs("flux")
+    configs["transformer"].update(num_single_layers=0)       # one block class: one inference and one training graph
+    rt = common.Runtime(0, 1, CPU, torch.bfloat16, compile=True)
+    eager, compiled = (common.FluxAdapter(common.build_pipeline("flux", configs), CPU, torch.bfloat16, 32)
+                       for _ in range(2))                    # the same weights (seed 0)
+    common.compile_blocks(compiled, rt)
+    for adapter in (eager, compiled):
+        common.add_lora(adapter.transformer, 4, 8, adapter.lora_targets)
+        for i, (name, p) in enumerate(adapter.transformer.named_parameters()):
+            if "lora_" in name:                              # away from peft's start (lora_B = 0): the LoRA counts
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(i))
+    cond, x = eager.encode(["a cat", "a dog"]), eager.noise(2, torch.Generator().manual_seed(0))
+    compiled.txt_ids = eager.txt_ids
+    before = common.COMPILING["compiles"]
+    with torch.no_grad():
+        v_eager, v_rollout = (a.velocity(a.transformer, x, torch.tensor(0.7), cond) for a in (eager, compiled))
+    v_update = compiled.velocity(compiled.transformer, x, torch.tensor(0.7), cond)
+    assert v_update.requires_grad and common.COMPILING["compiles"] - before == 2
+    assert torch.equal(v_rollout, v_eager) and torch.equal(v_update.detach(), v_rollout)
+
+
+@pytest.mark.slow  # about 70 s of compiling on 2 cores; the default suite: the compiled block above
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_compiled_runs_are_on_policy_compile_once_and_resume_bitwise(dtype, tmp_path):
     """flow_grpo on the tiny FLUX with an EMA, gradient checkpointing and an evaluation every iteration: each
     iteration's first update exactly on-policy, every graph compiled in iteration 0 (its evaluation, rollout, update
@@ -158,7 +185,7 @@ def test_the_side_by_side_gives_flow_grpo_the_official_configs_settings():
                 args.resolution, args.gradient_checkpointing) == (2, 8, 8, 2, 10, 64, False)
 
 
-@pytest.mark.slow  # the compiled runs above are the default suite's
+@pytest.mark.slow  # the compiled block above is the default suite's
 def test_the_compile_benchmark_quick_mode_runs_every_path(tmp_path):
     """tests/benchmark_compile.py --quick: flow_grpo on the tiny FLUX eager in float32 and bf16 and compiled in bf16,
     each run a process of its own; the table has a row per mode with the phases' seconds and peak memory, the compiled

@@ -1,8 +1,9 @@
 """FLUX.2-klein (--model flux2) through the machinery, on the tiny random-weight pipeline saved and read back as a
 user's (tests/helpers.py), in its full-scale dtype (bf16): full fine-tuning with its EMA and KL reference on the Fast
-recipe resumed bitwise and scored by `common.py evaluate`; fp16; --preflight; torchrun's DDP (FSDP2 and --compile:
-slow). Every trainer in bf16, resumed bitwise: tests/test_precision.py; the adapter against the klein pipeline, its
-grid, its text embeddings: tests/test_models.py; the published architecture and its LoRA: tests/test_full_scale.py."""
+recipe resumed bitwise and scored by `common.py evaluate`; fp16; --preflight (slow: DDP, FSDP2, --compile). Every
+trainer in bf16, resumed bitwise: tests/test_precision.py (flow_grpo's in the default suite); the adapter against the
+klein pipeline, its grid, its text embeddings: tests/test_models.py; the published architecture and its LoRA:
+tests/test_full_scale.py."""
 import json
 import math
 
@@ -83,6 +84,7 @@ def test_a_lora_in_fp16_passes_the_preflight(tmp_path):
     assert status["ratio_dev_first_update"] == status["kl_first_update"] == "PASS"
 
 
+@pytest.mark.slow  # the default suite: DDP on the tiny SD3 (test_flow_grpo), flow_grpo on klein (above)
 def test_ddp_over_two_ranks_keeps_the_replicas_identical(tmp_path):
     """A LoRA on 2 gloo ranks in bf16: DDP's replicas end equal, and the first update is on-policy on each rank."""
     torchrun("flow_grpo.py", [*tiny_argv("flow_grpo", "flux2"), *BF16, "--prompts-per-step", "4", "--iterations",

@@ -22,7 +22,7 @@ def transformer_at(run_dir, iteration: int) -> dict:
     return FluxTransformer2DModel.from_pretrained(folder).state_dict()
 
 
-@pytest.mark.slow  # the default suite: an FSDP2 run resumed bitwise, and a state saved in one layout loaded in another
+@pytest.mark.slow  # the default suite: a state saved in one layout loaded in another; FSDP2 in bf16 (test_precision)
 @pytest.mark.parametrize("trainer", list(RUNS))
 def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
     """Same global batch, same seeds: the metrics agree to float rounding, and so do the weights (FSDP2
@@ -52,6 +52,7 @@ def test_fsdp_trains_what_ddp_trains(trainer, tmp_path):
         assert (tmp_path / run_dir / "checkpoints" / "iter_000002" / "state" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # the default suite: a state saved in one layout loaded in another; FSDP2 in bf16 (test_precision)
 def test_fsdp_resume_equals_a_straight_run(tmp_path):
     argv = [*tiny_argv("flow_grpo", "flux"), *SIZES, *RUNS["flow_grpo"], "--fsdp", "--ema"]  # the EMA is sharded too
     straight, split = tmp_path / "straight", tmp_path / "split"

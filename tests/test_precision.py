@@ -27,8 +27,9 @@ def test_each_model_defaults_to_its_full_scale_dtype_on_a_gpu_and_float32_on_a_c
     assert common.setup_runtime(0, 1, "fp16", "flux").dtype == torch.float16        # --dtype: the same everywhere
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
-@pytest.mark.parametrize("family", list(FULL_SCALE))
+@pytest.mark.parametrize("family,trainer", [(f, t) if f != "flux2" or t == "flow_grpo" else  # FLUX.2 is bf16 as
+                                            pytest.param(f, t, marks=pytest.mark.slow)   # FLUX: flow_grpo's alone
+                                            for f in FULL_SCALE for t in TRAINERS])
 def test_every_trainer_runs_its_full_scale_dtype_on_policy_and_resumes_bitwise(trainer, family, tmp_path):
     module = __import__(trainer)
     argv = [*tiny_argv(trainer, family), *QUIET, "--dtype", FULL_SCALE[family]]

@@ -230,9 +230,9 @@ def run_with_streams(script: str, argv: list, how: str):
         full.close()
 
 
-@pytest.mark.parametrize("script,how", [("flow_grpo.py", "closed stdout"), ("flow_grpo.py", "head -n 2"),
-                                        ("flow_grpo.py", "/dev/full"), ("common.py", "closed stdout"),
-                                        ("common.py", "/dev/full twice")])
+@pytest.mark.parametrize("script,how", [("flow_grpo.py", "head -n 2"), ("common.py", "/dev/full twice"), *[
+    pytest.param(*case, marks=pytest.mark.slow)  # the default suite: EPIPE and ENOSPC on both streams (the two above)
+    for case in [("flow_grpo.py", "closed stdout"), ("flow_grpo.py", "/dev/full"), ("common.py", "closed stdout")]]])
 def test_a_closed_or_full_stdout_or_stderr_stops_the_printing_not_the_run(script, how, tmp_path):
     """Every print (tqdm's bars on stderr too) fails with EPIPE or ENOSPC: the run (or evaluation) goes on to its end,
     exit status 0, without a traceback."""
@@ -270,7 +270,8 @@ def test_a_closed_stdout_and_stderr_stop_the_printing_not_the_run(trainer, tmp_p
         assert out.stdout == "" if streams.startswith(">&-") else "it " in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.slow) if t != "flow_grpo" else t
+                                     for t in TRAINERS])  # the same common.cli in every trainer
 def test_a_refusal_with_closed_streams_keeps_its_exit_status(trainer, tmp_path):
     refused = closed([sys.executable, ROOT / f"{trainer}.py", "--seed", "-1", "--output-dir", tmp_path / "never"],
                      ">&- 2>&-")
