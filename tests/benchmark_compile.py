@@ -49,8 +49,9 @@ REAL = ["--model", "sd3", "--model-path", "random:2", "--resolution", "64", "--s
 # what a trainer needs on top of REAL to train groups of 8: Pro-GRPO expands 16 and prunes to 12, then 8
 TRAINER_REAL = {"pro_grpo": ["--group-size", "16", "--funnel", "12,8", "--baseline-group", "8"]}
 # FLUX.2-klein's 2 double and 2 single blocks are 4x SD3.5-M's 2 in parameters, its 512 text tokens 2.5x the tokens:
-# one prompt x 4, 4 steps, 64 text tokens keep an iteration to minutes on 2 cores
-MODEL_REAL = {"flux2": ["--prompts-per-step", "1", "--group-size", "4", "--micro-batch", "4", "--sample-steps", "4",
+# one prompt x 4 in micro-batches of 2 (two updates an iteration, as above), 4 steps, 64 text tokens keep an iteration
+# to minutes on 2 cores; a trainer's own needs (TRAINER_REAL) come after
+MODEL_REAL = {"flux2": ["--prompts-per-step", "1", "--group-size", "4", "--micro-batch", "2", "--sample-steps", "4",
                         "--max-sequence-length", "64"]}
 PHASES = ("load", "rollout", "reward", "update")
 # flow_grpo's flags for the official configs --official runs (its other defaults are theirs: noise 0.7, clip 1e-4,
@@ -66,7 +67,7 @@ def argv_of(model: str, trainer: str, mode: str, quick: bool, iterations: int, t
         from helpers import tiny_argv
         sizes = [*tiny_argv(trainer, "flux"), "--eval-every", "0", "--save-every", "0"]
     else:
-        sizes = [*REAL, "--model", model, *TRAINER_REAL.get(trainer, []), *MODEL_REAL.get(model, [])]
+        sizes = [*REAL, "--model", model, *MODEL_REAL.get(model, []), *TRAINER_REAL.get(trainer, [])]
     return [*sizes, *MODES[mode], "--iterations", str(iterations), "--threads", str(threads), "--output-dir", str(out)]
 
 
@@ -331,10 +332,11 @@ def main(argv=None) -> list[dict]:
                *argv_of(model, trainer, mode, a.quick, iterations, a.threads, out / name)]
         rows.append(run_worker(name, cmd, out, env))
         print(f"{name}: {rows[-1]['s_per_it']:.2f} s/it, {time.time() - tic:.0f} s so far", flush=True)
-    widths = {"sd3": "SD3.5-M", "flux2": "FLUX.2-klein 4B (1 prompt x 4, 4 steps, 64 text tokens)"}
+    sizes = {"sd3": "SD3.5-M widths, 2 blocks (random:2), 10 steps, 2 prompts x 8",
+             "flux2": "FLUX.2-klein 4B widths, 2 double and 2 single blocks (random:2), 4 steps, 1 prompt x 4 in micro-"
+                      "batches of 2, 64 text tokens"}
     setting = ("the tiny FLUX of tests/helpers.py, smoke sizes" if a.quick else
-               f"{' and '.join(widths[m] for m in models)} widths, 2 blocks (random:2), 64 px, 10 steps, 2 prompts "
-               f"x 8, LoRA r32, EMA, jpeg, the model's CFG")
+               f"{'; '.join(sizes[m] for m in models)}; 64 px, LoRA r32, EMA, jpeg, the model's CFG")
     text = (f"Measured {versions()}, --threads {a.threads}; {setting}; {iterations} iterations per run, the first "
             f"apart, medians of the rest; {time.time() - tic:.0f} s in all.\n\n{table(rows)}")
     print("\n" + text)
