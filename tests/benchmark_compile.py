@@ -46,8 +46,10 @@ MODES = {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"], "bf16-compile
 REAL = ["--model", "sd3", "--model-path", "random:2", "--resolution", "64", "--sample-steps", "10",
         "--prompts-per-step", "2", "--group-size", "8", "--micro-batch", "8", "--lora-rank", "32", "--lora-alpha", "64",
         "--ema", "--reward", "jpeg", "--prompts", "pickscore", "--eval-every", "0", "--save-every", "0"]
-# what a trainer needs on top of REAL to train groups of 8: Pro-GRPO expands 16 and prunes to 12, then 8
+# what a trainer needs on top of REAL to train groups of 8: Pro-GRPO expands 16 and prunes to 12, then 8 (at klein's
+# 4 steps below, after steps 2 and 3, as after 5 and 7 of 10)
 TRAINER_REAL = {"pro_grpo": ["--group-size", "16", "--funnel", "12,8", "--baseline-group", "8"]}
+MODEL_TRAINER_REAL = {("flux2", "pro_grpo"): ["--checkpoints", "2,3"]}
 # FLUX.2-klein's 2 double and 2 single blocks are 4x SD3.5-M's 2 in parameters, its 512 text tokens 2.5x the tokens:
 # one prompt x 4 in micro-batches of 2 (two updates an iteration, as above), 4 steps, 64 text tokens keep an iteration
 # to minutes on 2 cores; a trainer's own needs (TRAINER_REAL) come after
@@ -67,7 +69,8 @@ def argv_of(model: str, trainer: str, mode: str, quick: bool, iterations: int, t
         from helpers import tiny_argv
         sizes = [*tiny_argv(trainer, "flux"), "--eval-every", "0", "--save-every", "0"]
     else:
-        sizes = [*REAL, "--model", model, *MODEL_REAL.get(model, []), *TRAINER_REAL.get(trainer, [])]
+        sizes = [*REAL, "--model", model, *MODEL_REAL.get(model, []), *TRAINER_REAL.get(trainer, []),
+                 *MODEL_TRAINER_REAL.get((model, trainer), [])]
     return [*sizes, *MODES[mode], "--iterations", str(iterations), "--threads", str(threads), "--output-dir", str(out)]
 
 

@@ -185,6 +185,27 @@ def test_the_side_by_side_gives_flow_grpo_the_official_configs_settings():
                 args.resolution, args.gradient_checkpointing) == (2, 8, 8, 2, 10, 64, False)
 
 
+@pytest.mark.parametrize("model", ["sd3", "flux2"])
+def test_the_benchmarks_command_lines_pass_every_trainers_checks(model, tmp_path, monkeypatch):
+    """Each benchmark_compile run's flags pass its trainer's checks, all made before the model loads (stopped there:
+    at klein's sizes one micro-batch once could not take flow_grpo's two updates, found an hour into a run)."""
+    import importlib
+
+    import benchmark_compile
+
+    class Loading(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loading
+    monkeypatch.setattr(common, "load_model", load_model)
+    for trainer in TRAINERS:
+        for mode in benchmark_compile.MODES:
+            argv = benchmark_compile.argv_of(model, trainer, mode, False, 2, 1, tmp_path / f"{trainer}-{mode}")
+            with pytest.raises(Loading):
+                run(importlib.import_module(trainer), argv)
+
+
 @pytest.mark.slow  # the compiled block above is the default suite's
 def test_the_compile_benchmark_quick_mode_runs_every_path(tmp_path):
     """tests/benchmark_compile.py --quick: flow_grpo on the tiny FLUX eager in float32 and bf16 and compiled in bf16,
