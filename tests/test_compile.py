@@ -16,17 +16,14 @@ from helpers import (ROOT, TRAINERS, read_metrics, run, straight_and_resumed, ti
 CPU = torch.device("cpu")
 
 
-@pytest.mark.slow  # about 30 s of compiling on 2 cores; the default suite: the compiled block below
-def test_one_compiled_code_per_block_class_with_the_lora_inside():
-    """Three blocks of each FLUX kind: the compiles do not grow with the blocks. The double blocks share one graph, the
-    single blocks two (the first one's input has another layout: strides are guarded), with the LoRA on and off. The
-    compiled velocity is the eager one with the LoRA's update in it (its weights set away from peft's start, where
-    lora_B = 0: the adapter changes the output)."""
+def eager_and_compiled(**blocks):
+    """Two tiny FLUX adapters in bf16 with the same weights (seed 0) and the same LoRA, set away from peft's start
+    (lora_B = 0) so that it counts; the second's blocks compiled. With two prompts' condition and noise."""
     configs = tiny_configs("flux")
-    configs["transformer"].update(num_layers=3, num_single_layers=3)
+    configs["transformer"].update(**blocks)
     rt = common.Runtime(0, 1, CPU, torch.bfloat16, compile=True)
     eager, compiled = (common.FluxAdapter(common.build_pipeline("flux", configs), CPU, torch.bfloat16, 32)
-                       for _ in range(2))                    # the same weights (seed 0)
+                       for _ in range(2))
     common.compile_blocks(compiled, rt)
     for adapter in (eager, compiled):
         common.add_lora(adapter.transformer, 4, 8, adapter.lora_targets)
@@ -35,6 +32,16 @@ def test_one_compiled_code_per_block_class_with_the_lora_inside():
                 torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(i))
     cond, x = eager.encode(["a cat", "a dog"]), eager.noise(2, torch.Generator().manual_seed(0))
     compiled.txt_ids = eager.txt_ids                         # the text tokens' positions, set by encode
+    return eager, compiled, cond, x
+
+
+@pytest.mark.slow  # about 30 s of compiling on 2 cores; the default suite: the compiled block below
+def test_one_compiled_code_per_block_class_with_the_lora_inside():
+    """Three blocks of each FLUX kind: the compiles do not grow with the blocks. The double blocks share one graph, the
+    single blocks two (the first one's input has another layout: strides are guarded), with the LoRA on and off. The
+    compiled velocity is the eager one with the LoRA's update in it (its weights set away from peft's start, where
+    lora_B = 0: the adapter changes the output)."""
+    eager, compiled, cond, x = eager_and_compiled(num_layers=3, num_single_layers=3)
     before = common.COMPILING["compiles"]
     with torch.no_grad():
         v_eager, v = (a.velocity(a.transformer, x, torch.tensor(0.7), cond) for a in (eager, compiled))
@@ -50,19 +57,7 @@ def test_a_compiled_block_computes_with_grad_what_it_computes_without():
     block with a LoRA in it, compiled in bf16, computes without grad (the rollout's forward) and with grad (the
     update's) the eager velocity bit for bit, each in a graph of its own: under --compile the first update stays
     on-policy."""
-    configs = tiny_configs("flux")
-    configs["transformer"].update(num_single_layers=0)       # one block class: one inference and one training graph
-    rt = common.Runtime(0, 1, CPU, torch.bfloat16, compile=True)
-    eager, compiled = (common.FluxAdapter(common.build_pipeline("flux", configs), CPU, torch.bfloat16, 32)
-                       for _ in range(2))                    # the same weights (seed 0)
-    common.compile_blocks(compiled, rt)
-    for adapter in (eager, compiled):
-        common.add_lora(adapter.transformer, 4, 8, adapter.lora_targets)
-        for i, (name, p) in enumerate(adapter.transformer.named_parameters()):
-            if "lora_" in name:                              # away from peft's start (lora_B = 0): the LoRA counts
-                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(i))
-    cond, x = eager.encode(["a cat", "a dog"]), eager.noise(2, torch.Generator().manual_seed(0))
-    compiled.txt_ids = eager.txt_ids
+    eager, compiled, cond, x = eager_and_compiled(num_single_layers=0)  # one block class: 2 graphs
     before = common.COMPILING["compiles"]
     with torch.no_grad():
         v_eager, v_rollout = (a.velocity(a.transformer, x, torch.tensor(0.7), cond) for a in (eager, compiled))
